@@ -1,0 +1,149 @@
+// The CPU reference backend: plain loops in f32, parallel over output rows with OpenMP. It defines
+// what every op computes; other backends are tested against it, and it is itself tested against
+// Hugging Face transformers through the model fixtures.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+
+namespace nibble {
+namespace {
+
+float dot(const float* a, const float* b, int64_t n) {
+  // Eight partial sums vectorise and keep rounding error well below the 1e-3 tolerance we hold
+  // ourselves to against transformers.
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s + ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+class CpuBackend final : public Backend {
+ public:
+  std::string name() const override { return "cpu"; }
+
+  void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
+    const int64_t n = w.n, k = w.k;
+#pragma omp parallel
+    {
+      std::vector<float> row(static_cast<size_t>(k));
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < n; ++r) {
+        w.row_f32(r, row.data());
+        const float b = w.bias.empty() ? 0.f : w.bias[size_t(r)];
+        for (int64_t t = 0; t < m; ++t) out[t * n + r] = dot(x + t * k, row.data(), k) + b;
+      }
+    }
+  }
+
+  void embed(const LinearWeight& table, const int32_t* ids, int64_t m, float* out) override {
+    for (int64_t t = 0; t < m; ++t) {
+      NIBBLE_CHECK(ids[t] >= 0 && ids[t] < table.n, "token id {} is outside the vocabulary "
+                   "(0..{})", ids[t], table.n - 1);
+      table.row_f32(ids[t], out + t * table.k);
+    }
+  }
+
+  void rms_norm(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+                float* out) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * dim;
+      float* yr = out + r * dim;
+      const float inv = 1.f / std::sqrt(dot(xr, xr, dim) / float(dim) + eps);
+      for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * inv * (w ? w[i] : 1.f);
+    }
+  }
+
+  void rope(float* x, int64_t m, int64_t n_head, int64_t head_dim, const int64_t* pos,
+            const RopeTable& table) override {
+    const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < m; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        // Angles in f32 as transformers computes them (inv_freq · position in float32).
+        const float angle = float(pos[t]) * table.inv_freq[size_t(i)];
+        const float c = std::cos(angle) * table.attention_factor;
+        const float s = std::sin(angle) * table.attention_factor;
+        for (int64_t h = 0; h < n_head; ++h) {
+          float* v = x + (t * n_head + h) * head_dim;
+          const float a = v[i], b = v[i + half];
+          v[i] = a * c - b * s;
+          v[i + half] = b * c + a * s;
+        }
+      }
+    }
+  }
+
+  void attention(const float* q, const float* k_cache, const float* v_cache, int64_t m,
+                 int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale,
+                 float* out) override {
+    const int64_t group = n_head / n_head_kv;
+#pragma omp parallel
+    {
+      std::vector<float> scores(static_cast<size_t>(pos0 + m));
+#pragma omp for collapse(2) schedule(static)
+      for (int64_t t = 0; t < m; ++t) {
+        for (int64_t h = 0; h < n_head; ++h) {
+          const int64_t kv = h / group, n_ctx = pos0 + t + 1;
+          const float* qh = q + (t * n_head + h) * head_dim;
+          float max_score = -INFINITY;
+          for (int64_t j = 0; j < n_ctx; ++j) {
+            scores[size_t(j)] = dot(qh, k_cache + (j * n_head_kv + kv) * head_dim, head_dim) * scale;
+            max_score = std::max(max_score, scores[size_t(j)]);
+          }
+          float sum = 0.f;
+          for (int64_t j = 0; j < n_ctx; ++j) sum += scores[size_t(j)] = std::exp(scores[size_t(j)] - max_score);
+          float* oh = out + (t * n_head + h) * head_dim;
+          std::fill(oh, oh + head_dim, 0.f);
+          for (int64_t j = 0; j < n_ctx; ++j) {
+            const float p = scores[size_t(j)] / sum;
+            const float* vj = v_cache + (j * n_head_kv + kv) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) oh[d] += p * vj[d];
+          }
+        }
+      }
+    }
+  }
+
+  void silu_mul(const float* gate, const float* up, int64_t count, float* out) override {
+    for (int64_t i = 0; i < count; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  }
+
+  void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k, bool normalize,
+                 int32_t* ids, float* weights) override {
+    std::vector<float> probs(static_cast<size_t>(n_experts));
+    std::vector<int32_t> order(static_cast<size_t>(n_experts));
+    for (int64_t t = 0; t < m; ++t) {
+      const float* l = logits + t * n_experts;
+      const float mx = *std::max_element(l, l + n_experts);
+      float sum = 0.f;
+      for (int64_t e = 0; e < n_experts; ++e) sum += probs[size_t(e)] = std::exp(l[e] - mx);
+      for (auto& p : probs) p /= sum;
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t a, int32_t b) {
+        return probs[size_t(a)] > probs[size_t(b)] || (probs[size_t(a)] == probs[size_t(b)] && a < b);
+      });
+      float top_sum = 0.f;
+      for (int64_t j = 0; j < top_k; ++j) top_sum += probs[size_t(order[size_t(j)])];
+      for (int64_t j = 0; j < top_k; ++j) {
+        ids[t * top_k + j] = order[size_t(j)];
+        weights[t * top_k + j] = probs[size_t(order[size_t(j)])] / (normalize ? top_sum : 1.f);
+      }
+    }
+  }
+
+  void add(const float* x, int64_t count, float* y) override {
+    for (int64_t i = 0; i < count; ++i) y[i] += x[i];
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace nibble

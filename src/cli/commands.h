@@ -1,0 +1,12 @@
+// Subcommands of the nibble binary; each file registers its own options and action.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace nibble::cli {
+
+void add_run_command(CLI::App& app);
+void add_info_command(CLI::App& app);
+void add_quantize_command(CLI::App& app);
+
+}  // namespace nibble::cli

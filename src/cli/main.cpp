@@ -1,0 +1,26 @@
+// nibble: one binary for run | info | quantize (and, as they land, serve | bench).
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "core/status.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"nibble: a native inference engine for 4-bit Mixture-of-Experts language models"};
+  app.set_version_flag("--version", std::string(NIBBLE_VERSION) + " (" NIBBLE_GIT_COMMIT ")");
+  app.require_subcommand(1);
+  nibble::cli::add_run_command(app);
+  nibble::cli::add_info_command(app);
+  nibble::cli::add_quantize_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const nibble::Error& e) {
+    fmt::print(stderr, "nibble: error: {}\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "nibble: error: out of memory\n");
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,138 @@
+// nibble run: generate from a prompt (text, or token ids for debugging) and stream the result.
+// Sampling defaults come from the model's generation_config.json, as in vLLM; flags override them.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "cli/commands.h"
+#include "core/status.h"
+#include "model/model.h"
+#include "runtime/generate.h"
+
+namespace nibble::cli {
+namespace {
+
+struct RunOptions {
+  std::string model_dir, prompt, prompt_ids, device = "cpu";
+  int64_t n_predict = 128, max_model_len = 0, logprobs = -1;
+  std::optional<float> temperature, top_p, min_p, repetition_penalty;
+  std::optional<int64_t> top_k;
+  float presence_penalty = 0, frequency_penalty = 0;
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+  bool json = false, ignore_eos = false;
+};
+
+std::vector<int32_t> parse_ids(const std::string& text) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    NIBBLE_CHECK(used == item.size() && !item.empty() && v >= 0 && v <= INT32_MAX,
+                 "--prompt-ids: '{}' is not a token id", item);
+    ids.push_back(int32_t(v));
+  }
+  NIBBLE_CHECK(!ids.empty(), "--prompt-ids: no token ids given");
+  return ids;
+}
+
+void run(const RunOptions& o) {
+  NIBBLE_CHECK(o.device == "cpu", "--device {}: this build has only the cpu backend", o.device);
+  NIBBLE_CHECK(o.prompt.empty() != o.prompt_ids.empty(), "give exactly one of --prompt and "
+               "--prompt-ids");
+  const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
+  NIBBLE_CHECK(std::filesystem::exists(tok_path), "{}: missing (nibble run needs the model's "
+               "tokenizer)", tok_path);
+  auto backend = make_cpu_backend();
+  auto model = load_model(o.model_dir, *backend);
+  Tokenizer tokenizer = Tokenizer::from_file(tok_path);
+  const ModelConfig& config = model->config();
+  GenerationConfig gen = load_generation_config(o.model_dir);
+
+  GenerateRequest req;
+  req.prompt = o.prompt_ids.empty() ? tokenizer.encode(o.prompt) : parse_ids(o.prompt_ids);
+  req.max_new_tokens = o.n_predict;
+  req.max_context = o.max_model_len > 0 ? o.max_model_len : config.max_position_embeddings;
+  req.top_logprobs = o.logprobs;
+  req.stop_strings = o.stop;
+  if (!o.ignore_eos) {
+    for (int64_t id : gen.eos_token_ids.empty() ? config.eos_token_ids : gen.eos_token_ids)
+      req.stop_ids.push_back(int32_t(id));
+  }
+  SamplingParams& s = req.sampling;
+  s.temperature = o.temperature.value_or(gen.temperature >= 0 ? float(gen.temperature) : 1.f);
+  s.top_p = o.top_p.value_or(gen.top_p > 0 ? float(gen.top_p) : 1.f);
+  s.top_k = o.top_k.value_or(gen.top_k > 0 ? gen.top_k : 0);
+  s.min_p = o.min_p.value_or(gen.min_p >= 0 ? float(gen.min_p) : 0.f);
+  s.repetition_penalty = o.repetition_penalty.value_or(
+      gen.repetition_penalty > 0 ? float(gen.repetition_penalty) : 1.f);
+  s.presence_penalty = o.presence_penalty;
+  s.frequency_penalty = o.frequency_penalty;
+  s.seed = o.seed;
+
+  auto on_token = [&](const GeneratedToken& tok, std::string_view text) {
+    if (o.json) {
+      if (tok.id < 0) return;
+      nlohmann::json line = {{"id", tok.id}, {"text", std::string(text)}};
+      if (o.logprobs >= 0) {
+        line["logprob"] = tok.logprob;
+        nlohmann::json top = nlohmann::json::array();
+        for (auto& t : tok.top) top.push_back({{"id", t.id}, {"logprob", t.logprob}});
+        line["top_logprobs"] = top;
+      }
+      std::cout << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+    } else {
+      std::cout << text;
+    }
+    std::cout.flush();
+  };
+  GenerateResult r = generate(*model, tokenizer, req, on_token);
+  if (!o.json) std::cout << '\n';
+  const double n_gen = double(r.ids.size());
+  fmt::print(stderr, "\nprompt: {} tokens, {:.1f} tok/s | generated: {} tokens, {:.1f} tok/s | "
+             "finish: {}\n", req.prompt.size(),
+             r.prefill_seconds > 0 ? double(req.prompt.size()) / r.prefill_seconds : 0.0,
+             r.ids.size(), n_gen > 1 && r.decode_seconds > 0 ? (n_gen - 1) / r.decode_seconds : 0.0,
+             r.finish_reason);
+}
+
+}  // namespace
+
+void add_run_command(CLI::App& app) {
+  auto o = std::make_shared<RunOptions>();
+  CLI::App* cmd = app.add_subcommand("run", "Generate text from a prompt");
+  cmd->add_option("-m,--model", o->model_dir, "Hugging Face model directory")->required()
+      ->check(CLI::ExistingDirectory);
+  cmd->add_option("-p,--prompt", o->prompt, "Prompt text");
+  cmd->add_option("--prompt-ids", o->prompt_ids, "Prompt as comma-separated token ids");
+  cmd->add_option("-n,--max-tokens", o->n_predict, "Tokens to generate")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--temperature", o->temperature, "0 = greedy (default: generation_config)");
+  cmd->add_option("--top-k", o->top_k, "Keep the k most likely tokens (0 = off)");
+  cmd->add_option("--top-p", o->top_p, "Nucleus sampling mass");
+  cmd->add_option("--min-p", o->min_p, "Drop tokens below min_p x the best probability");
+  cmd->add_option("--repetition-penalty", o->repetition_penalty, "Penalty on prompt and output tokens");
+  cmd->add_option("--presence-penalty", o->presence_penalty, "OpenAI presence penalty");
+  cmd->add_option("--frequency-penalty", o->frequency_penalty, "OpenAI frequency penalty");
+  cmd->add_option("--seed", o->seed, "Sampling seed");
+  cmd->add_option("--stop", o->stop, "Stop string (repeatable)");
+  cmd->add_flag("--ignore-eos", o->ignore_eos, "Do not stop at EOS tokens");
+  cmd->add_option("--logprobs", o->logprobs, "Report the chosen token's logprob and the top K")
+      ->check(CLI::Range(0, 100));
+  cmd->add_flag("--json", o->json, "One JSON line per generated token");
+  cmd->add_option("--max-model-len", o->max_model_len, "Context length (default: the model's)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--device", o->device, "cpu");
+  cmd->callback([o] { run(*o); });
+}
+
+}  // namespace nibble::cli

@@ -1,0 +1,59 @@
+// A loaded model: configuration, weights on a backend, and the forward pass of its architecture.
+// Architectures live in model/arch/, one file each, registered in model/registry.cpp.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "format/hf_config.h"
+#include "format/safetensors.h"
+#include "runtime/kv_cache.h"
+
+namespace nibble {
+
+// Called with every named intermediate of a forward pass ("layers.3.attn_out", [rows, dim]) when
+// set: the hook for dumping a model layer by layer and comparing it with the reference.
+using Tracer = std::function<void(const std::string& name, const float* data, int64_t rows, int64_t dim)>;
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  const ModelConfig& config() const { return config_; }
+
+  // Runs `tokens` at positions pos0 .. pos0+n-1 of one sequence whose earlier positions are in
+  // `kv`, and appends their keys and values to it. Writes logits for every token ([n, vocab]) when
+  // `all_logits`, else for the last one only ([1, vocab]).
+  virtual void forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
+                       std::vector<float>& logits) = 0;
+  virtual KvCache make_kv_cache(int64_t max_tokens) const = 0;
+
+  void set_tracer(Tracer tracer) { tracer_ = std::move(tracer); }
+
+ protected:
+  explicit Model(ModelConfig config) : config_(std::move(config)) {}
+  void trace(const std::string& name, const float* data, int64_t rows, int64_t dim) const {
+    if (tracer_) tracer_(name, data, rows, dim);
+  }
+  ModelConfig config_;
+  Tracer tracer_;
+
+ private:
+  friend std::unique_ptr<Model> load_model(const std::string&, Backend&);
+  Checkpoint checkpoint_;
+};
+
+// Reads config.json, picks the architecture by model_type and loads the weights. Errors name the
+// file and the field or tensor that is wrong.
+std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend);
+
+// model_types nibble can run, for messages and `nibble info`.
+std::vector<std::string> supported_model_types();
+
+RopeTable make_rope_table(const ModelConfig& config);
+
+}  // namespace nibble

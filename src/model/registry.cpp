@@ -1,0 +1,78 @@
+#include <cmath>
+#include <numbers>
+
+#include "core/status.h"
+#include "model/arch/registry.h"
+
+namespace nibble {
+namespace {
+
+struct Architecture {
+  const char* model_type;
+  CreateModelFn create;
+};
+
+constexpr Architecture kArchitectures[] = {
+    {"qwen3_moe", create_qwen3_moe},
+    {"qwen3", create_qwen3_moe},  // dense Qwen3: the same graph with num_experts = 0
+};
+
+}  // namespace
+
+std::vector<std::string> supported_model_types() {
+  std::vector<std::string> out;
+  for (auto& a : kArchitectures) out.push_back(a.model_type);
+  return out;
+}
+
+std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend) {
+  ModelConfig config = load_model_config(model_dir);
+  for (auto& a : kArchitectures) {
+    if (config.model_type == a.model_type) {
+      Checkpoint ckpt = Checkpoint::open(model_dir);
+      auto model = a.create(config, ckpt, backend);
+      model->checkpoint_ = std::move(ckpt);  // dense weights are views into its mappings
+      return model;
+    }
+  }
+  std::string list;
+  for (auto& t : supported_model_types()) list += (list.empty() ? "" : ", ") + t;
+  fail("{}: model_type '{}' is not supported (supported: {})", config.path, config.model_type, list);
+}
+
+// inv_freq[i] = theta^(-2i/d); YaRN blends interpolated and extrapolated frequencies with a linear
+// ramp between the correction dimensions and scales cos/sin by its attention factor (transformers'
+// _compute_yarn_parameters).
+RopeTable make_rope_table(const ModelConfig& config) {
+  const auto& r = config.rope;
+  const int64_t dim = config.head_dim;
+  RopeTable table;
+  table.inv_freq.resize(size_t(dim / 2));
+  for (int64_t i = 0; i < dim / 2; ++i)
+    table.inv_freq[size_t(i)] = float(1.0 / std::pow(r.theta, double(2 * i) / double(dim)));
+  if (r.type != "yarn") return table;
+
+  auto mscale = [](double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; };
+  table.attention_factor = float(r.attention_factor > 0 ? r.attention_factor
+                                 : (r.mscale != 0 && r.mscale_all_dim != 0)
+                                     ? mscale(r.factor, r.mscale) / mscale(r.factor, r.mscale_all_dim)
+                                     : mscale(r.factor, 1.0));
+  auto correction_dim = [&](double rotations) {
+    return double(dim) * std::log(r.original_max_position_embeddings /
+                                  (rotations * 2 * std::numbers::pi)) / (2 * std::log(r.theta));
+  };
+  double low = correction_dim(r.beta_fast), high = correction_dim(r.beta_slow);
+  if (r.truncate) low = std::floor(low), high = std::ceil(high);
+  low = std::max(low, 0.0);
+  high = std::min(high, double(dim - 1));
+  if (low == high) high += 0.001;
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    const double ramp = std::clamp((double(i) - low) / (high - low), 0.0, 1.0);
+    const double extrapolation = 1.0 - ramp;
+    const double f = table.inv_freq[size_t(i)];
+    table.inv_freq[size_t(i)] = float(f / r.factor * (1 - extrapolation) + f * extrapolation);
+  }
+  return table;
+}
+
+}  // namespace nibble

@@ -1,0 +1,52 @@
+#include "model/weights.h"
+
+#include <cstring>
+
+#include "core/status.h"
+
+namespace nibble {
+
+const char* weight_format_name(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kF32: return "F32";
+    case WeightFormat::kF16: return "F16";
+    case WeightFormat::kBF16: return "BF16";
+    case WeightFormat::kInt4: return "INT4";
+  }
+  return "?";
+}
+
+void LinearWeight::row_f32(int64_t row, float* out) const {
+  NIBBLE_ASSERT(row >= 0 && row < n);
+  switch (format) {
+    case WeightFormat::kF32:
+      std::memcpy(out, static_cast<const float*>(dense) + row * k, size_t(k) * 4);
+      return;
+    case WeightFormat::kF16: {
+      const uint16_t* p = static_cast<const uint16_t*>(dense) + row * k;
+      for (int64_t i = 0; i < k; ++i) out[i] = f16_to_f32(p[i]);
+      return;
+    }
+    case WeightFormat::kBF16: {
+      const uint16_t* p = static_cast<const uint16_t*>(dense) + row * k;
+      for (int64_t i = 0; i < k; ++i) out[i] = bf16_to_f32(p[i]);
+      return;
+    }
+    case WeightFormat::kInt4:
+      int4->dequantize_row(row, out);
+      return;
+  }
+}
+
+size_t LinearWeight::bytes() const {
+  switch (format) {
+    case WeightFormat::kF32: return size_t(n * k * 4);
+    case WeightFormat::kF16:
+    case WeightFormat::kBF16: return size_t(n * k * 2);
+    case WeightFormat::kInt4:
+      return int4->codes.size() + int4->scales.size() * 2 + int4->zeros.size() / 2;
+  }
+  return 0;
+}
+
+}  // namespace nibble

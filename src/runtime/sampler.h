@@ -1,0 +1,56 @@
+// Turns a row of logits into the next token, the way vLLM does for one request: penalties on the
+// raw logits (repetition over prompt and output, presence/frequency over output), then
+// temperature, then min-p, top-k and top-p, then a draw from the survivors with the request's own
+// seeded generator. Temperature 0 is greedy (argmax, lowest id on ties). Deterministic for a seed
+// on every platform: the generator is xoshiro256** and the draw walks the candidates in a fixed
+// order.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+namespace nibble {
+
+struct SamplingParams {
+  float temperature = 1.f;
+  int64_t top_k = 0;  // 0 or -1: off
+  float top_p = 1.f;
+  float min_p = 0.f;
+  float repetition_penalty = 1.f;
+  float presence_penalty = 0.f;
+  float frequency_penalty = 0.f;
+  uint64_t seed = 0;
+};
+
+// Validates ranges; throws Error naming the bad parameter.
+void validate(const SamplingParams& p);
+
+struct TokenLogprob {
+  int32_t id;
+  float logprob;
+};
+
+class Sampler {
+ public:
+  Sampler(const SamplingParams& params, std::span<const int32_t> prompt);
+
+  // Picks the next token from logits[vocab]. Records it as output (for penalties).
+  int32_t sample(std::span<const float> logits);
+
+  // log-softmax of raw logits: the chosen token's logprob and the top `k` (vLLM's logprobs, which
+  // are those of the model's distribution before any sampling parameter is applied).
+  static float logprob_of(std::span<const float> logits, int32_t id);
+  static std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, int64_t k);
+
+ private:
+  double uniform();  // [0, 1)
+  SamplingParams p_;
+  std::unordered_map<int32_t, int32_t> prompt_counts_, output_counts_;
+  uint64_t state_[4];
+  std::vector<float> work_;
+  std::vector<int32_t> order_;
+};
+
+}  // namespace nibble
