@@ -50,11 +50,11 @@ void run(const RunOptions& o) {
   NIBBLE_CHECK(o.device == "cpu", "--device {}: this build has only the cpu backend", o.device);
   NIBBLE_CHECK(o.prompt.empty() != o.prompt_ids.empty(), "give exactly one of --prompt and "
                "--prompt-ids");
+  auto backend = make_cpu_backend();
+  auto model = load_model(o.model_dir, *backend);
   const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
   NIBBLE_CHECK(std::filesystem::exists(tok_path), "{}: missing (nibble run needs the model's "
                "tokenizer)", tok_path);
-  auto backend = make_cpu_backend();
-  auto model = load_model(o.model_dir, *backend);
   Tokenizer tokenizer = Tokenizer::from_file(tok_path);
   const ModelConfig& config = model->config();
   GenerationConfig gen = load_generation_config(o.model_dir);

@@ -192,11 +192,15 @@ Checkpoint Checkpoint::open(const std::string& dir) {
   } else if (fs::exists(fs::path(dir) / "model.safetensors")) {
     shard_names.push_back("model.safetensors");
   } else {
-    for (auto& e : fs::directory_iterator(dir))
-      if (e.path().extension() == ".safetensors") shard_names.push_back(e.path().filename());
+    // Unindexed shards (model-00001-of-00002.safetensors); other .safetensors files in a model
+    // directory (adapters, consolidated originals) are not weights of this model.
+    for (auto& e : fs::directory_iterator(dir)) {
+      const std::string file = e.path().filename();
+      if (file.starts_with("model") && file.ends_with(".safetensors")) shard_names.push_back(file);
+    }
     std::sort(shard_names.begin(), shard_names.end());
     NIBBLE_CHECK(!shard_names.empty(), "{}: no model.safetensors, model.safetensors.index.json or "
-                 "*.safetensors file", dir);
+                 "model-*.safetensors file", dir);
   }
   for (auto& shard : shard_names) {
     const std::string path = (fs::path(dir) / shard).string();

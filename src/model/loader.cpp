@@ -98,7 +98,7 @@ std::vector<MlpWeights> WeightLoader::experts(const std::string& prefix, int64_t
   }
   // Per-expert modules are independent; repacking INT4 ones is the slow part of loading.
   std::vector<std::string> errors(static_cast<size_t>(n_experts));
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) if (n_experts * inter * hidden >= (1 << 20))
   for (int64_t e = 0; e < n_experts; ++e) {
     const std::string name = prefix + "." + std::to_string(e);
     try {

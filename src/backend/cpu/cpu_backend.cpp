@@ -12,6 +12,10 @@
 namespace nibble {
 namespace {
 
+// Below this many multiply-adds a parallel region costs more than it saves (thread wake-up and
+// barriers), and on a loaded machine far more.
+constexpr int64_t kMinParallelWork = 1 << 18;
+
 float dot(const float* a, const float* b, int64_t n) {
   // Eight partial sums vectorise and keep rounding error well below the 1e-3 tolerance we hold
   // ourselves to against transformers.
@@ -30,7 +34,7 @@ class CpuBackend final : public Backend {
 
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
     const int64_t n = w.n, k = w.k;
-#pragma omp parallel
+#pragma omp parallel if (n * k * m >= kMinParallelWork)
     {
       std::vector<float> row(static_cast<size_t>(k));
 #pragma omp for schedule(static)
@@ -83,7 +87,7 @@ class CpuBackend final : public Backend {
                  int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale,
                  float* out) override {
     const int64_t group = n_head / n_head_kv;
-#pragma omp parallel
+#pragma omp parallel if (m * n_head * (pos0 + m) * head_dim >= kMinParallelWork)
     {
       std::vector<float> scores(static_cast<size_t>(pos0 + m));
 #pragma omp for collapse(2) schedule(static)

@@ -68,7 +68,7 @@ Int4Matrix int4_from_gptq(const GptqTensorSet& t, int64_t n, int64_t k, int grou
   m.scales.resize(size_t(n * m.n_groups));
   m.zeros.resize(size_t(n * m.n_groups));
   const uint8_t* qw = t.qweight->data;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * k >= (1 << 20))
   for (int64_t r = 0; r < k / 8; ++r) {
     for (int64_t col = 0; col < n; ++col) {
       uint32_t word = load_le<uint32_t>(qw + 4 * (r * n + col));
@@ -102,7 +102,7 @@ GptqPacked quantize_gptq_int4(const float* w, int64_t n, int64_t k, int group_si
   out.g_idx.resize(size_t(k));
   for (int64_t i = 0; i < k; ++i) out.g_idx[i] = int32_t(i / g_size);
   std::vector<uint8_t> zeros(static_cast<size_t>(out.n_groups * n));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * k >= (1 << 20))
   for (int64_t row = 0; row < n; ++row) {
     const float* wr = w + row * k;
     std::vector<uint8_t> codes(static_cast<size_t>(k));
