@@ -1,0 +1,92 @@
+// The generation loop: EOS ids, stop strings (never shown, even split across tokens), limits, and
+// that the streamed pieces add up to the final text.
+#include "runtime/generate.h"
+
+#include <gtest/gtest.h>
+
+#include "core/status.h"
+
+namespace nibble {
+namespace {
+
+class GenerateTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string dir = std::string(NIBBLE_FIXTURES_DIR) + "/models/tiny-qwen3-moe";
+    backend_ = make_cpu_backend();
+    model_ = load_model(dir, *backend_);
+    tok_ = std::make_unique<Tokenizer>(Tokenizer::from_file(dir + "/tokenizer.json"));
+  }
+  GenerateResult gen(GenerateRequest req, std::string* streamed = nullptr) {
+    if (req.prompt.empty()) req.prompt = tok_->encode("def main():\n    return");
+    if (req.max_context == 0) req.max_context = 256;
+    std::string s;
+    auto r = generate(*model_, *tok_, req, [&](const GeneratedToken&, std::string_view t) { s += t; });
+    EXPECT_EQ(s, r.text) << "streamed pieces must add up to the text";
+    if (streamed) *streamed = s;
+    return r;
+  }
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Tokenizer> tok_;
+};
+
+TEST_F(GenerateTest, StopStringEndsGenerationAndIsNeverShown) {
+  GenerateRequest req;
+  req.max_new_tokens = 40;
+  req.sampling.temperature = 0;
+  GenerateResult full = gen(req);
+  ASSERT_EQ(full.finish_reason, "length");
+  ASSERT_GT(full.text.size(), 12u);
+  // A stop string from the middle of the greedy text, likely spanning a token boundary.
+  const std::string stop = full.text.substr(full.text.size() / 2, 3);
+  req.stop_strings = {stop, "this never appears \x01"};
+  GenerateResult cut = gen(req);
+  EXPECT_EQ(cut.finish_reason, "stop");
+  EXPECT_EQ(cut.text, full.text.substr(0, full.text.find(stop)));
+  EXPECT_EQ(cut.text.find(stop), std::string::npos);
+  EXPECT_LT(cut.ids.size(), full.ids.size());
+}
+
+TEST_F(GenerateTest, EosIdStopsAfterIt) {
+  GenerateRequest req;
+  req.max_new_tokens = 40;
+  req.sampling.temperature = 0;
+  GenerateResult full = gen(req);
+  req.stop_ids = {full.ids[5]};
+  GenerateResult cut = gen(req);
+  EXPECT_EQ(cut.finish_reason, "stop");
+  const size_t first = size_t(std::find(full.ids.begin(), full.ids.end(), full.ids[5]) - full.ids.begin());
+  EXPECT_EQ(cut.ids, std::vector<int32_t>(full.ids.begin(), full.ids.begin() + long(first) + 1));
+}
+
+TEST_F(GenerateTest, SeededSamplingIsReproducible) {
+  GenerateRequest req;
+  req.max_new_tokens = 24;
+  req.sampling.temperature = 1.0f;
+  req.sampling.seed = 42;
+  auto a = gen(req), b = gen(req);
+  EXPECT_EQ(a.ids, b.ids);
+  req.sampling.seed = 43;
+  auto c = gen(req);
+  EXPECT_NE(a.ids, c.ids);
+}
+
+TEST_F(GenerateTest, ContextLimits) {
+  GenerateRequest req;
+  req.prompt = {1, 2, 3, 4, 5};
+  req.max_context = 8;
+  req.max_new_tokens = 100;
+  req.sampling.temperature = 0;
+  auto r = gen(req);
+  EXPECT_EQ(r.ids.size(), 3u);  // the context, not max_new_tokens, ends it
+  EXPECT_EQ(r.finish_reason, "length");
+  req.max_context = 5;
+  EXPECT_THROW(gen(req), Error);
+  req.prompt = {1, 999};
+  req.max_context = 64;
+  EXPECT_THROW(gen(req), Error);
+}
+
+}  // namespace
+}  // namespace nibble
