@@ -23,6 +23,13 @@ struct FormatStats {
   int64_t tensors = 0, params = 0, bytes = 0;
 };
 
+std::string human_count(double n) {
+  if (n >= 1e9) return fmt::format("{:.2f} B", n / 1e9);
+  if (n >= 1e6) return fmt::format("{:.2f} M", n / 1e6);
+  if (n >= 1e3) return fmt::format("{:.1f} K", n / 1e3);
+  return fmt::format("{:.0f}", n);
+}
+
 std::string human_bytes(double b) {
   const char* units[] = {"B", "KB", "MB", "GB", "TB"};
   int u = 0;
@@ -99,12 +106,12 @@ void info(const InfoOptions& o) {
   if (c.num_experts > 0)
     fmt::print("experts:       {} per MoE layer, top {}, expert FFN {}\n", c.num_experts,
                c.num_experts_per_tok, c.moe_intermediate_size);
-  fmt::print("parameters:    {:.3f} B total, {:.3f} B active per token\n", total_params / 1e9,
-             active_params / 1e9);
+  fmt::print("parameters:    {} total, {} active per token\n", human_count(total_params),
+             human_count(active_params));
   fmt::print("formats:\n");
   for (auto& [name, f] : formats)
-    fmt::print("  {:<22} {:>6} tensors  {:>8.3f} B params  {}\n", name, f.tensors, double(f.params) / 1e9,
-               human_bytes(double(f.bytes)));
+    fmt::print("  {:<22} {:>6} tensors  {:>10} params  {}\n", name, f.tensors,
+               human_count(double(f.params)), human_bytes(double(f.bytes)));
   fmt::print("weights read per decoded token: {}\n", human_bytes(bytes_per_token));
   fmt::print("KV cache per token: {} in bf16 ({} in f32, as the CPU backend stores it)\n",
              human_bytes(double(kv_elems_per_token * 2)), human_bytes(double(kv_elems_per_token * 4)));

@@ -96,11 +96,14 @@ int32_t Sampler::sample(std::span<const float> logits) {
     double kept = 0;
     for (int32_t id : order_) kept += work_[size_t(id)];
     if (p_.top_p < 1.f) {  // smallest prefix whose mass reaches top_p (of the kept mass)
+      // The relative slack makes an exact tie (probabilities 0.5 + 0.3 and top_p 0.8) keep the
+      // nucleus the user meant, not one more token that only float rounding let in.
+      const double target = double(p_.top_p) * kept * (1 - 1e-6);
       double acc = 0;
       size_t n = 0;
       while (n < order_.size()) {
         acc += work_[size_t(order_[n++])];
-        if (acc >= p_.top_p * kept) break;
+        if (acc >= target) break;
       }
       order_.resize(n);
       kept = acc;
