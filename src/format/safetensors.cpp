@@ -32,7 +32,7 @@ int64_t TensorInfo::numel() const {
   return n;
 }
 
-std::string TensorInfo::shape_str() const {
+std::string shape_str(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";

@@ -16,6 +16,8 @@
 
 namespace nibble {
 
+std::string shape_str(const std::vector<int64_t>& shape);  // "[128, 2048]"
+
 struct TensorInfo {
   std::string name;
   DType dtype = DType::F32;
@@ -25,7 +27,7 @@ struct TensorInfo {
   std::string file;  // path of the file that holds it, for error messages
 
   int64_t numel() const;
-  std::string shape_str() const;  // "[128, 2048]"
+  std::string shape_str() const { return nibble::shape_str(shape); }
 };
 
 // One parsed safetensors file. `parse` validates a header held in memory (used by the fuzzer and

@@ -14,7 +14,6 @@ std::optional<WeightFormat> dense_format(DType t) {
   }
 }
 
-std::string shape_str(std::vector<int64_t> shape) { return TensorInfo{.shape = shape}.shape_str(); }
 }  // namespace
 
 const TensorInfo& WeightLoader::tensor(const std::string& name) {

@@ -89,7 +89,9 @@ GenerateResult generate(Model& model, const Tokenizer& tokenizer, const Generate
   if (result.finish_reason == "length") {
     pending += detok.flush();
     result.text += pending;
-    if (!pending.empty()) on_token(GeneratedToken{.id = -1}, pending);
+    GeneratedToken none;
+    none.id = -1;
+    if (!pending.empty()) on_token(none, pending);
   }
   result.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   return result;

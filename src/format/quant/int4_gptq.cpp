@@ -27,7 +27,7 @@ void expect(const TensorInfo* t, const std::string& name, DType dtype, std::vect
   NIBBLE_CHECK(t->dtype == dtype, "{}: tensor '{}' has dtype {}, expected {}", t->file, name,
                dtype_name(t->dtype), dtype_name(dtype));
   NIBBLE_CHECK(t->shape == shape, "{}: tensor '{}' has shape {}, config expects {}", t->file, name,
-               t->shape_str(), TensorInfo{.shape = shape}.shape_str());
+               t->shape_str(), shape_str(shape));
 }
 
 template <typename T>
