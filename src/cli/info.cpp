@@ -97,8 +97,8 @@ void info(const InfoOptions& o) {
     return;
   }
   fmt::print("model:         {}\n", o.model_dir);
-  fmt::print("architecture:  {} ({}){}\n", c.model_type,
-             c.architectures.empty() ? "?" : c.architectures[0],
+  fmt::print("architecture:  {}{}{}\n", c.model_type,
+             c.architectures.empty() ? "" : " (" + c.architectures[0] + ")",
              supported ? "" : "  [not supported by nibble run]");
   fmt::print("shape:         {} layers, hidden {}, {} q / {} kv heads x {}, vocab {}\n",
              c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,

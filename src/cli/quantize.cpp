@@ -30,12 +30,7 @@ struct QuantizeOptions {
 
 // A Linear weight [n, k] (or expert e's slice of a fused [E, n, k] tensor) as f32.
 std::vector<float> to_f32(const TensorInfo& t, int64_t offset_rows, int64_t n, int64_t k) {
-  LinearWeight view;
-  view.n = n;
-  view.k = k;
-  view.format = t.dtype == DType::BF16 ? WeightFormat::kBF16
-                : t.dtype == DType::F16 ? WeightFormat::kF16 : WeightFormat::kF32;
-  view.dense = t.data + size_t(offset_rows * k) * dtype_size_bytes(t.dtype);
+  const LinearWeight view = view_dense(t.name, t, offset_rows, n, k);
   std::vector<float> out(static_cast<size_t>(n * k));
   for (int64_t r = 0; r < n; ++r) view.row_f32(r, out.data() + r * k);
   return out;

@@ -4,17 +4,6 @@
 
 namespace nibble {
 
-namespace {
-std::optional<WeightFormat> dense_format(DType t) {
-  switch (t) {
-    case DType::F32: return WeightFormat::kF32;
-    case DType::F16: return WeightFormat::kF16;
-    case DType::BF16: return WeightFormat::kBF16;
-    default: return std::nullopt;
-  }
-}
-
-}  // namespace
 
 const TensorInfo& WeightLoader::tensor(const std::string& name) {
   const TensorInfo* t = ckpt_.find(name);
@@ -23,20 +12,6 @@ const TensorInfo& WeightLoader::tensor(const std::string& name) {
   std::lock_guard lock(used_mutex_);
   used_.insert(name);
   return *t;
-}
-
-LinearWeight WeightLoader::dense_view(const std::string& name, const TensorInfo& t,
-                                      int64_t offset_rows, int64_t n, int64_t k) {
-  auto format = dense_format(t.dtype);
-  NIBBLE_CHECK(format.has_value(), "{}: tensor '{}' has dtype {}; a dense weight must be F32, F16 "
-               "or BF16", t.file, t.name, dtype_name(t.dtype));
-  LinearWeight w;
-  w.name = name;
-  w.n = n;
-  w.k = k;
-  w.format = *format;
-  w.dense = t.data + size_t(offset_rows * k) * dtype_size_bytes(t.dtype);
-  return w;
 }
 
 LinearWeight WeightLoader::linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias) {
@@ -59,7 +34,7 @@ LinearWeight WeightLoader::linear(const std::string& prefix, int64_t n, int64_t 
     const TensorInfo& t = tensor(prefix + ".weight");
     NIBBLE_CHECK(t.shape == std::vector<int64_t>({n, k}), "{}: tensor '{}' has shape {}, config "
                  "expects {}", t.file, t.name, t.shape_str(), shape_str({n, k}));
-    w = dense_view(prefix, t, 0, n, k);
+    w = view_dense(prefix, t, 0, n, k);
   }
   if (has_bias) w.bias = vector(prefix + ".bias", n);
   return w;
@@ -69,7 +44,7 @@ std::vector<float> WeightLoader::vector(const std::string& name, int64_t n) {
   const TensorInfo& t = tensor(name);
   NIBBLE_CHECK(t.shape == std::vector<int64_t>({n}), "{}: tensor '{}' has shape {}, config expects "
                "{}", t.file, name, t.shape_str(), shape_str({n}));
-  LinearWeight view = dense_view(name, t, 0, 1, n);
+  LinearWeight view = view_dense(name, t, 0, 1, n);
   std::vector<float> out(static_cast<size_t>(n));
   view.row_f32(0, out.data());
   return out;
@@ -89,9 +64,9 @@ std::vector<MlpWeights> WeightLoader::experts(const std::string& prefix, int64_t
                  shape_str({n_experts, hidden, inter}));
     for (int64_t e = 0; e < n_experts; ++e) {
       const std::string name = prefix + "." + std::to_string(e);
-      out[size_t(e)].gate = dense_view(name + ".gate_proj", gu, e * 2 * inter, inter, hidden);
-      out[size_t(e)].up = dense_view(name + ".up_proj", gu, e * 2 * inter + inter, inter, hidden);
-      out[size_t(e)].down = dense_view(name + ".down_proj", down, e * hidden, hidden, inter);
+      out[size_t(e)].gate = view_dense(name + ".gate_proj", gu, e * 2 * inter, inter, hidden);
+      out[size_t(e)].up = view_dense(name + ".up_proj", gu, e * 2 * inter + inter, inter, hidden);
+      out[size_t(e)].down = view_dense(name + ".down_proj", down, e * hidden, hidden, inter);
     }
     return out;
   }

@@ -32,8 +32,6 @@ class WeightLoader {
 
  private:
   const TensorInfo& tensor(const std::string& name);
-  LinearWeight dense_view(const std::string& name, const TensorInfo& t, int64_t offset_rows,
-                          int64_t n, int64_t k);
   const Checkpoint& ckpt_;
   const ModelConfig& config_;
   std::mutex used_mutex_;  // experts() loads in parallel

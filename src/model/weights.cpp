@@ -38,6 +38,25 @@ void LinearWeight::row_f32(int64_t row, float* out) const {
   }
 }
 
+LinearWeight view_dense(const std::string& name, const TensorInfo& t, int64_t offset_rows,
+                        int64_t n, int64_t k) {
+  LinearWeight w;
+  switch (t.dtype) {
+    case DType::F32: w.format = WeightFormat::kF32; break;
+    case DType::F16: w.format = WeightFormat::kF16; break;
+    case DType::BF16: w.format = WeightFormat::kBF16; break;
+    default:
+      fail("{}: tensor '{}' has dtype {}; a dense weight must be F32, F16 or BF16", t.file, t.name,
+           dtype_name(t.dtype));
+  }
+  NIBBLE_ASSERT((offset_rows + n) * k <= t.numel());
+  w.name = name;
+  w.n = n;
+  w.k = k;
+  w.dense = t.data + size_t(offset_rows * k) * dtype_size_bytes(t.dtype);
+  return w;
+}
+
 size_t LinearWeight::bytes() const {
   switch (format) {
     case WeightFormat::kF32: return size_t(n * k * 4);

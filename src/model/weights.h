@@ -10,6 +10,7 @@
 
 #include "core/dtype.h"
 #include "format/quant/int4_gptq.h"
+#include "format/safetensors.h"
 
 namespace nibble {
 
@@ -29,6 +30,11 @@ struct LinearWeight {
   void row_f32(int64_t row, float* out) const;
   size_t bytes() const;  // bytes stored (what one full pass over the weight reads)
 };
+
+// A dense [n, k] weight viewed in place: rows offset_rows .. offset_rows+n of checkpoint tensor `t`
+// (a slice when experts are fused into one tensor). Error unless t holds F32, F16 or BF16.
+LinearWeight view_dense(const std::string& name, const TensorInfo& t, int64_t offset_rows,
+                        int64_t n, int64_t k);
 
 struct MlpWeights {
   LinearWeight gate, up, down;
