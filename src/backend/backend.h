@@ -1,6 +1,7 @@
-// The fixed list of operations a model's forward pass is built from. `cpu/` is the reference
-// (simple, f32, OpenMP); every faster backend is tested op by op against it. Activations are f32,
-// row-major, on the backend's device; shapes are passed explicitly ([m, dim] = m token rows).
+// The fixed list of operations a model's forward pass is built from, and the memory they run on.
+// `cpu/` is the reference (simple, f32, OpenMP); every other backend is tested op by op against it
+// (tests/ops). Activations are f32, row-major, in the backend's memory; shapes are passed
+// explicitly ([m, dim] = m token rows). Weights are prepared once per backend by `upload`.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +15,7 @@ namespace nibble {
 
 // RoPE angles for one model: inv_freq[head_dim/2] and the YaRN attention factor on cos/sin.
 struct RopeTable {
-  std::vector<float> inv_freq;
+  WeightVector inv_freq;
   float attention_factor = 1.f;
 };
 
@@ -23,15 +24,25 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
 
+  // Memory of this backend (device memory for GPUs). alloc never returns null: it throws Error.
+  virtual void* alloc(size_t bytes) = 0;
+  virtual void free(void* ptr) = 0;
+  virtual void copy_to_backend(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  // Weights as this backend computes with them (the CPU keeps the host views as they are).
+  virtual LinearWeight upload(const LinearWeight& host) = 0;
+  virtual WeightVector upload(const WeightVector& host) = 0;
+
   // out[m, n] = x[m, k] · Wᵀ (+ bias)
   virtual void linear(const LinearWeight& w, const float* x, int64_t m, float* out) = 0;
-  // out[m, hidden] = rows `ids` of the table
+  // out[m, hidden] = rows `ids` (host array) of the table. Error for ids outside the table.
   virtual void embed(const LinearWeight& table, const int32_t* ids, int64_t m, float* out) = 0;
   // out[r] = x[r] / rms(x[r]) * w, over `rows` rows of `dim`; in place allowed
-  virtual void rms_norm(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+  virtual void rms_norm(const float* x, const WeightVector& w, int64_t rows, int64_t dim, float eps,
                         float* out) = 0;
-  // Rotates x[m, n_head, head_dim] in place by the half-split (NeoX) convention at positions pos[m].
-  virtual void rope(float* x, int64_t m, int64_t n_head, int64_t head_dim, const int64_t* pos,
+  // Rotates x[m, n_head, head_dim] in place by the half-split (NeoX) convention; token t is at
+  // position pos0 + t.
+  virtual void rope(float* x, int64_t m, int64_t n_head, int64_t head_dim, int64_t pos0,
                     const RopeTable& table) = 0;
   // Causal attention of q[m, n_head, hd] (tokens at positions pos0..pos0+m-1) over the cache
   // k/v[0 .. pos0+m, n_head_kv, hd]; out[m, n_head, hd]. GQA: q head h reads kv head h / (n_head /
@@ -41,14 +52,48 @@ class Backend {
                          float scale, float* out) = 0;
   // out[i] = silu(gate[i]) * up[i]
   virtual void silu_mul(const float* gate, const float* up, int64_t count, float* out) = 0;
-  // Softmax over logits[m, n_experts], top-k (ties: lower expert id first), renormalised to sum 1
-  // when `normalize`. ids/weights are [m, top_k].
+  // Routing: softmax over logits[m, n_experts], top-k (ties: lower expert id first), renormalised
+  // to sum 1 when `normalize`. ids/weights are [m, top_k] in this backend's memory.
   virtual void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k,
                          bool normalize, int32_t* ids, float* weights) = 0;
+  // The whole MoE block: out[m, hidden] = Σ_top-k weight · down(silu(gate(x)) · up(x)).
+  virtual void moe(const MoeWeights& w, const float* x, int64_t m, float* out) = 0;
   // y[i] += x[i]
   virtual void add(const float* x, int64_t count, float* y) = 0;
 };
 
+// Backend memory, freed on destruction.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(Backend& backend, size_t bytes) : backend_(&backend), bytes_(bytes) {
+    ptr_ = bytes ? backend.alloc(bytes) : nullptr;
+  }
+  Buffer(Buffer&& o) noexcept { swap(o); }
+  Buffer& operator=(Buffer&& o) noexcept {
+    swap(o);
+    return *this;
+  }
+  ~Buffer() {
+    if (ptr_) backend_->free(ptr_);
+  }
+  template <typename T = float>
+  T* data() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void swap(Buffer& o) {
+    std::swap(backend_, o.backend_);
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+  }
+  Backend* backend_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 std::unique_ptr<Backend> make_cpu_backend();
+// "cpu" or "cuda" (Error when this build or machine lacks it).
+std::unique_ptr<Backend> make_backend(const std::string& device);
 
 }  // namespace nibble

@@ -47,10 +47,9 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 }
 
 void run(const RunOptions& o) {
-  NIBBLE_CHECK(o.device == "cpu", "--device {}: this build has only the cpu backend", o.device);
   NIBBLE_CHECK(o.prompt.empty() != o.prompt_ids.empty(), "give exactly one of --prompt and "
                "--prompt-ids");
-  auto backend = make_cpu_backend();
+  auto backend = make_backend(o.device);
   auto model = load_model(o.model_dir, *backend);
   const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
   NIBBLE_CHECK(std::filesystem::exists(tok_path), "{}: missing (nibble run needs the model's "
@@ -131,7 +130,7 @@ void add_run_command(CLI::App& app) {
   cmd->add_flag("--json", o->json, "One JSON line per generated token");
   cmd->add_option("--max-model-len", o->max_model_len, "Context length (default: the model's)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--device", o->device, "cpu");
+  cmd->add_option("--device", o->device, "cpu or cuda");
   cmd->callback([o] { run(*o); });
 }
 

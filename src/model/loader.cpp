@@ -24,30 +24,30 @@ LinearWeight WeightLoader::linear(const std::string& prefix, int64_t n, int64_t 
     set.qzeros = &tensor(prefix + ".qzeros");
     set.scales = &tensor(prefix + ".scales");
     if (ckpt_.has(prefix + ".g_idx")) set.g_idx = &tensor(prefix + ".g_idx");
-    w.name = prefix;
-    w.n = n;
-    w.k = k;
-    w.format = WeightFormat::kInt4;
-    w.int4 = std::make_shared<Int4Matrix>(
-        int4_from_gptq(set, n, k, config_.quant.group_size, config_.quant.zero_minus_one, prefix));
+    w = int4_weight(prefix, int4_from_gptq(set, n, k, config_.quant.group_size,
+                                           config_.quant.zero_minus_one, prefix));
   } else {
     const TensorInfo& t = tensor(prefix + ".weight");
     NIBBLE_CHECK(t.shape == std::vector<int64_t>({n, k}), "{}: tensor '{}' has shape {}, config "
                  "expects {}", t.file, t.name, t.shape_str(), shape_str({n, k}));
     w = view_dense(prefix, t, 0, n, k);
   }
-  if (has_bias) w.bias = vector(prefix + ".bias", n);
+  if (has_bias) {
+    WeightVector bias = vector(prefix + ".bias", n);
+    w.bias = bias.data;
+    w.storage.push_back(bias.storage);
+  }
   return w;
 }
 
-std::vector<float> WeightLoader::vector(const std::string& name, int64_t n) {
+WeightVector WeightLoader::vector(const std::string& name, int64_t n) {
   const TensorInfo& t = tensor(name);
   NIBBLE_CHECK(t.shape == std::vector<int64_t>({n}), "{}: tensor '{}' has shape {}, config expects "
                "{}", t.file, name, t.shape_str(), shape_str({n}));
   LinearWeight view = view_dense(name, t, 0, 1, n);
   std::vector<float> out(static_cast<size_t>(n));
   view.row_f32(0, out.data());
-  return out;
+  return host_vector(std::move(out));
 }
 
 std::vector<MlpWeights> WeightLoader::experts(const std::string& prefix, int64_t n_experts,

@@ -20,7 +20,7 @@ class WeightLoader {
   WeightLoader(const Checkpoint& ckpt, const ModelConfig& config) : ckpt_(ckpt), config_(config) {}
 
   LinearWeight linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias = false);
-  std::vector<float> vector(const std::string& name, int64_t n);
+  WeightVector vector(const std::string& name, int64_t n);
   // Experts of one MoE layer, stored per expert (`experts.E.gate_proj.weight`, what checkpoints on
   // the Hub hold) or fused (`experts.gate_up_proj` [E, 2I, H] + `experts.down_proj` [E, H, I], what
   // transformers 5 keeps in memory).

@@ -33,13 +33,19 @@ class Model {
   virtual KvCache make_kv_cache(int64_t max_tokens) const = 0;
 
   void set_tracer(Tracer tracer) { tracer_ = std::move(tracer); }
+  Backend& backend() const { return backend_; }
 
  protected:
-  explicit Model(ModelConfig config) : config_(std::move(config)) {}
+  Model(ModelConfig config, Backend& backend) : config_(std::move(config)), backend_(backend) {}
+  // `data` is in the backend's memory; the tracer always gets a host copy.
   void trace(const std::string& name, const float* data, int64_t rows, int64_t dim) const {
-    if (tracer_) tracer_(name, data, rows, dim);
+    if (!tracer_) return;
+    std::vector<float> host(static_cast<size_t>(rows * dim));
+    backend_.copy_to_host(host.data(), data, host.size() * sizeof(float));
+    tracer_(name, host.data(), rows, dim);
   }
   ModelConfig config_;
+  Backend& backend_;
   Tracer tracer_;
 
  private:
@@ -54,6 +60,7 @@ std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend
 // model_types nibble can run, for messages and `nibble info`.
 std::vector<std::string> supported_model_types();
 
+// inv_freq in host memory (upload it for other backends).
 RopeTable make_rope_table(const ModelConfig& config);
 
 }  // namespace nibble

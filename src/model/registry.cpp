@@ -47,10 +47,13 @@ RopeTable make_rope_table(const ModelConfig& config) {
   const auto& r = config.rope;
   const int64_t dim = config.head_dim;
   RopeTable table;
-  table.inv_freq.resize(size_t(dim / 2));
+  std::vector<float> inv_freq(static_cast<size_t>(dim / 2));
   for (int64_t i = 0; i < dim / 2; ++i)
-    table.inv_freq[size_t(i)] = float(1.0 / std::pow(r.theta, double(2 * i) / double(dim)));
-  if (r.type != "yarn") return table;
+    inv_freq[size_t(i)] = float(1.0 / std::pow(r.theta, double(2 * i) / double(dim)));
+  if (r.type != "yarn") {
+    table.inv_freq = host_vector(std::move(inv_freq));
+    return table;
+  }
 
   auto mscale = [](double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; };
   table.attention_factor = float(r.attention_factor > 0 ? r.attention_factor
@@ -69,9 +72,10 @@ RopeTable make_rope_table(const ModelConfig& config) {
   for (int64_t i = 0; i < dim / 2; ++i) {
     const double ramp = std::clamp((double(i) - low) / (high - low), 0.0, 1.0);
     const double extrapolation = 1.0 - ramp;
-    const double f = table.inv_freq[size_t(i)];
-    table.inv_freq[size_t(i)] = float(f / r.factor * (1 - extrapolation) + f * extrapolation);
+    const double f = inv_freq[size_t(i)];
+    inv_freq[size_t(i)] = float(f / r.factor * (1 - extrapolation) + f * extrapolation);
   }
+  table.inv_freq = host_vector(std::move(inv_freq));
   return table;
 }
 

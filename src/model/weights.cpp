@@ -33,7 +33,8 @@ void LinearWeight::row_f32(int64_t row, float* out) const {
       return;
     }
     case WeightFormat::kInt4:
-      int4->dequantize_row(row, out);
+      dequantize_int4_row(int4.codes, int4.scales, int4.zeros, k, int4.group_size, int4.n_groups,
+                          row, out);
       return;
   }
 }
@@ -57,13 +58,31 @@ LinearWeight view_dense(const std::string& name, const TensorInfo& t, int64_t of
   return w;
 }
 
+LinearWeight int4_weight(const std::string& name, Int4Matrix matrix) {
+  auto owned = std::make_shared<const Int4Matrix>(std::move(matrix));
+  LinearWeight w;
+  w.name = name;
+  w.n = owned->n;
+  w.k = owned->k;
+  w.format = WeightFormat::kInt4;
+  w.int4 = {owned->codes.data(), owned->scales.data(), owned->zeros.data(), owned->group_size,
+            owned->n_groups};
+  w.storage.push_back(owned);
+  return w;
+}
+
+WeightVector host_vector(std::vector<float> values) {
+  auto owned = std::make_shared<const std::vector<float>>(std::move(values));
+  return {owned->data(), int64_t(owned->size()), owned};
+}
+
 size_t LinearWeight::bytes() const {
   switch (format) {
     case WeightFormat::kF32: return size_t(n * k * 4);
     case WeightFormat::kF16:
     case WeightFormat::kBF16: return size_t(n * k * 2);
-    case WeightFormat::kInt4:
-      return int4->codes.size() + int4->scales.size() * 2 + int4->zeros.size() / 2;
+    case WeightFormat::kInt4:  // as stored in checkpoints: 4-bit codes, f16 scales, 4-bit zeros
+      return size_t(n * ((k + 1) / 2) + n * int4.n_groups * 2 + n * int4.n_groups / 2);
   }
   return 0;
 }

@@ -1,6 +1,7 @@
-// Weights of a loaded model, in the layouts the backends compute with. Dense weights are views
-// into the memory-mapped checkpoint (no copy, stored dtype kept); INT4 weights are repacked once at
-// load (format/quant/int4_gptq.h). Small vectors (norm weights, biases) are converted to f32.
+// Weights of a loaded model as the backends compute with them: raw pointers (host memory for the
+// CPU backend, device memory for CUDA) plus a keep-alive handle for whatever owns that memory.
+// On the CPU, dense weights are views into the memory-mapped checkpoint (no copy, stored dtype
+// kept) and INT4 weights point into the Int4Matrix they were repacked into at load.
 #pragma once
 
 #include <cstdint>
@@ -17,43 +18,71 @@ namespace nibble {
 enum class WeightFormat { kF32, kF16, kBF16, kInt4 };
 const char* weight_format_name(WeightFormat f);
 
+// INT4 in nibble's row-major layout (format/quant/int4_gptq.h): codes [n][(k+1)/2], f32 scales and
+// u8 zero points [n][n_groups].
+struct Int4View {
+  const uint8_t* codes = nullptr;
+  const float* scales = nullptr;
+  const uint8_t* zeros = nullptr;
+  int64_t group_size = 0, n_groups = 0;
+};
+
 // y = x · Wᵀ + b for W of shape [n, k].
 struct LinearWeight {
   std::string name;  // module name, e.g. "model.layers.3.self_attn.q_proj"
   int64_t n = 0, k = 0;
   WeightFormat format = WeightFormat::kF32;
   const void* dense = nullptr;  // [n, k] row-major in `format` (F32/F16/BF16)
-  std::shared_ptr<const Int4Matrix> int4;
-  std::vector<float> bias;  // empty when the layer has none
+  Int4View int4;                // when format is kInt4
+  const float* bias = nullptr;  // [n] or none
+  // Owners of the memory behind the pointers (an Int4Matrix, device buffers, the bias) when it is
+  // not the checkpoint's mapping.
+  std::vector<std::shared_ptr<const void>> storage;
 
-  // Row `row` of W as f32 (embedding lookup; also the CPU reference's inner loop).
+  // Row `row` of W as f32; host memory only (the CPU reference's inner loop, embedding lookup).
   void row_f32(int64_t row, float* out) const;
   size_t bytes() const;  // bytes stored (what one full pass over the weight reads)
+};
+
+// A small f32 vector (norm weights, biases, RoPE frequencies).
+struct WeightVector {
+  const float* data = nullptr;
+  int64_t n = 0;
+  std::shared_ptr<const void> storage;
 };
 
 // A dense [n, k] weight viewed in place: rows offset_rows .. offset_rows+n of checkpoint tensor `t`
 // (a slice when experts are fused into one tensor). Error unless t holds F32, F16 or BF16.
 LinearWeight view_dense(const std::string& name, const TensorInfo& t, int64_t offset_rows,
                         int64_t n, int64_t k);
+// An INT4 weight owning its host Int4Matrix.
+LinearWeight int4_weight(const std::string& name, Int4Matrix matrix);
+WeightVector host_vector(std::vector<float> values);
 
 struct MlpWeights {
   LinearWeight gate, up, down;
 };
 
+struct MoeWeights {
+  LinearWeight router;  // [n_experts, hidden]
+  std::vector<MlpWeights> experts;
+  int64_t top_k = 0;
+  bool normalize = true;  // renormalise the top-k probabilities to sum 1
+};
+
 struct LayerWeights {
-  std::vector<float> input_norm, post_attention_norm;
+  WeightVector input_norm, post_attention_norm;
   LinearWeight q, k, v, o;
-  std::vector<float> q_norm, k_norm;  // per-head RMSNorm over head_dim (empty: none)
+  WeightVector q_norm, k_norm;  // per-head RMSNorm over head_dim
   bool is_moe = false;
-  MlpWeights mlp;                    // dense layers
-  LinearWeight router;               // MoE layers: [n_experts, hidden]
-  std::vector<MlpWeights> experts;   // MoE layers
+  MlpWeights mlp;  // dense layers
+  MoeWeights moe;  // MoE layers
 };
 
 struct ModelWeights {
   LinearWeight embed;  // [vocab, hidden]
   std::vector<LayerWeights> layers;
-  std::vector<float> final_norm;
+  WeightVector final_norm;
   LinearWeight lm_head;  // a copy of `embed`'s view when embeddings are tied
 };
 

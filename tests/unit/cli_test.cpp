@@ -241,6 +241,7 @@ TEST_F(CliTest, BadPrompts) {
   expect_error(run_nibble("run -m " + m + " --prompt 'a b c d e f g h i j k' --max-model-len 4"), {"context"});
   expect_error(run_nibble("run -m " + m + " --prompt hi --prompt-ids 1"), {"exactly one"});
   expect_error(run_nibble("run -m " + m + " --prompt hi --temperature -1"), {"temperature"});
+  expect_error(run_nibble("run -m " + m + " --prompt hi --device tpu"), {"--device tpu"});
 }
 
 }  // namespace

@@ -106,9 +106,9 @@ TEST(HfConfig, Qwen3CoderRealConfig) {
   EXPECT_EQ(c.quant.method, "");
 
   RopeTable t = make_rope_table(c);  // default RoPE: theta^(-2i/d), no attention scaling
-  ASSERT_EQ(t.inv_freq.size(), 64u);
+  ASSERT_EQ(size_t(t.inv_freq.n), 64u);
   for (size_t i = 0; i < 64; ++i)
-    EXPECT_NEAR(t.inv_freq[i], std::pow(1e7, -2.0 * double(i) / 128), 1e-6 * std::pow(1e7, -2.0 * double(i) / 128));
+    EXPECT_NEAR(t.inv_freq.data[i], std::pow(1e7, -2.0 * double(i) / 128), 1e-6 * std::pow(1e7, -2.0 * double(i) / 128));
   EXPECT_EQ(t.attention_factor, 1.f);
 }
 
@@ -192,10 +192,10 @@ TEST(HfConfig, YarnInvFreqMatchesTransformers) {
                             {"original_max_position_embeddings", cs.orig}};
     RopeTable t = make_rope_table(parse_model_config(j, kPath));
     YarnRef ref = yarn_reference(cs.dim, cs.theta, cs.factor, cs.orig, 32, 1);
-    ASSERT_EQ(t.inv_freq.size(), ref.inv_freq.size());
+    ASSERT_EQ(size_t(t.inv_freq.n), ref.inv_freq.size());
     int interpolated = 0, extrapolated = 0;
     for (size_t i = 0; i < ref.inv_freq.size(); ++i) {
-      EXPECT_NEAR(t.inv_freq[i], ref.inv_freq[i], 1e-6 * ref.inv_freq[i]) << "dim " << cs.dim << " i " << i;
+      EXPECT_NEAR(t.inv_freq.data[i], ref.inv_freq[i], 1e-6 * ref.inv_freq[i]) << "dim " << cs.dim << " i " << i;
       double plain = 1.0 / std::pow(cs.theta, double(2 * i) / cs.dim);
       interpolated += std::fabs(ref.inv_freq[i] - plain / cs.factor) < 1e-12 * plain;
       extrapolated += std::fabs(ref.inv_freq[i] - plain) < 1e-12 * plain;

@@ -3,6 +3,8 @@
 // Hugging Face transformers through the model fixtures.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -32,6 +34,17 @@ class CpuBackend final : public Backend {
  public:
   std::string name() const override { return "cpu"; }
 
+  void* alloc(size_t bytes) override {
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    NIBBLE_CHECK(p != nullptr, "out of memory allocating {} bytes", bytes);
+    return p;
+  }
+  void free(void* ptr) override { std::free(ptr); }
+  void copy_to_backend(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void copy_to_host(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  LinearWeight upload(const LinearWeight& host) override { return host; }
+  WeightVector upload(const WeightVector& host) override { return host; }
+
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
     const int64_t n = w.n, k = w.k;
 #pragma omp parallel if (n * k * m >= kMinParallelWork)
@@ -40,7 +53,7 @@ class CpuBackend final : public Backend {
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < n; ++r) {
         w.row_f32(r, row.data());
-        const float b = w.bias.empty() ? 0.f : w.bias[size_t(r)];
+        const float b = w.bias ? w.bias[r] : 0.f;
         for (int64_t t = 0; t < m; ++t) out[t * n + r] = dot(x + t * k, row.data(), k) + b;
       }
     }
@@ -54,8 +67,9 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void rms_norm(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+  void rms_norm(const float* x, const WeightVector& weight, int64_t rows, int64_t dim, float eps,
                 float* out) override {
+    const float* w = weight.data;
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * dim;
       float* yr = out + r * dim;
@@ -64,13 +78,13 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void rope(float* x, int64_t m, int64_t n_head, int64_t head_dim, const int64_t* pos,
+  void rope(float* x, int64_t m, int64_t n_head, int64_t head_dim, int64_t pos0,
             const RopeTable& table) override {
     const int64_t half = head_dim / 2;
     for (int64_t t = 0; t < m; ++t) {
       for (int64_t i = 0; i < half; ++i) {
         // Angles in f32 as transformers computes them (inv_freq · position in float32).
-        const float angle = float(pos[t]) * table.inv_freq[size_t(i)];
+        const float angle = float(pos0 + t) * table.inv_freq.data[i];
         const float c = std::cos(angle) * table.attention_factor;
         const float s = std::sin(angle) * table.attention_factor;
         for (int64_t h = 0; h < n_head; ++h) {
@@ -141,6 +155,40 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // Tokens are grouped by expert so each expert runs once over all the rows routed to it.
+  void moe(const MoeWeights& w, const float* x, int64_t m, float* out) override {
+    const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
+    std::vector<float> logits(static_cast<size_t>(m * E)), weights(static_cast<size_t>(m * K));
+    std::vector<int32_t> ids(static_cast<size_t>(m * K));
+    linear(w.router, x, m, logits.data());
+    moe_route(logits.data(), m, E, K, w.normalize, ids.data(), weights.data());
+    std::fill(out, out + m * H, 0.f);
+    std::vector<float> rows, gate, up, result;
+    std::vector<int64_t> slots;
+    for (int64_t e = 0; e < E; ++e) {
+      slots.clear();
+      for (int64_t s = 0; s < m * K; ++s)
+        if (ids[size_t(s)] == e) slots.push_back(s);
+      if (slots.empty()) continue;
+      const MlpWeights& ex = w.experts[size_t(e)];
+      const int64_t n = int64_t(slots.size()), inter = ex.gate.n;
+      rows.resize(size_t(n * H));
+      gate.resize(size_t(n * inter));
+      up.resize(size_t(n * inter));
+      result.resize(size_t(n * H));
+      for (int64_t r = 0; r < n; ++r) std::copy_n(x + slots[size_t(r)] / K * H, H, rows.data() + r * H);
+      linear(ex.gate, rows.data(), n, gate.data());
+      linear(ex.up, rows.data(), n, up.data());
+      silu_mul(gate.data(), up.data(), n * inter, gate.data());
+      linear(ex.down, gate.data(), n, result.data());
+      for (int64_t r = 0; r < n; ++r) {
+        const float wt = weights[size_t(slots[size_t(r)])];
+        float* dst = out + slots[size_t(r)] / K * H;
+        for (int64_t d = 0; d < H; ++d) dst[d] += wt * result[size_t(r * H + d)];
+      }
+    }
+  }
+
   void add(const float* x, int64_t count, float* y) override {
     for (int64_t i = 0; i < count; ++i) y[i] += x[i];
   }
@@ -149,5 +197,6 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
 
 }  // namespace nibble

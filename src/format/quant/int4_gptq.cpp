@@ -9,15 +9,20 @@
 
 namespace nibble {
 
-void Int4Matrix::dequantize_row(int64_t row, float* out) const {
-  const uint8_t* c = codes.data() + row * row_bytes();
-  const float* s = scales.data() + row * n_groups;
-  const uint8_t* z = zeros.data() + row * n_groups;
+void dequantize_int4_row(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t k,
+                         int64_t group_size, int64_t n_groups, int64_t row, float* out) {
+  const uint8_t* c = codes + row * ((k + 1) / 2);
+  const float* s = scales + row * n_groups;
+  const uint8_t* z = zeros + row * n_groups;
   for (int64_t i = 0; i < k; ++i) {
-    int code = (c[i / 2] >> ((i & 1) * 4)) & 0xF;
-    int64_t g = i / group_size;
+    const int code = (c[i / 2] >> ((i & 1) * 4)) & 0xF;
+    const int64_t g = i / group_size;
     out[i] = float(code - int(z[g])) * s[g];
   }
+}
+
+void Int4Matrix::dequantize_row(int64_t row, float* out) const {
+  dequantize_int4_row(codes.data(), scales.data(), zeros.data(), k, group_size, n_groups, row, out);
 }
 
 namespace {

@@ -19,6 +19,10 @@
 
 namespace nibble {
 
+// Row `row` of a row-major INT4 matrix as f32: out[i] = (code - zero[g]) * scale[g], g = i / group.
+void dequantize_int4_row(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t k,
+                         int64_t group_size, int64_t n_groups, int64_t row, float* out);
+
 struct Int4Matrix {
   int64_t n = 0, k = 0, group_size = 0, n_groups = 0;
   std::vector<uint8_t> codes;  // [n][(k+1)/2]: input 2i in the low nibble, 2i+1 in the high one
