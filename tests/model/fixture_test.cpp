@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <iostream>
 
+#include "core/status.h"
 #include "format/safetensors.h"
 #include "model/model.h"
 #include "runtime/generate.h"
@@ -49,15 +50,24 @@ double normalized_error(const float* a, const float* b, size_t n) {
   return max_diff / max_ref;
 }
 
-class FixtureTest : public ::testing::TestWithParam<std::string> {
+// (model, device): every fixture on every backend; devices this machine lacks are skipped.
+class FixtureTest : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {
  protected:
-  std::string dir() const { return std::string(NIBBLE_FIXTURES_DIR) + "/models/" + GetParam(); }
+  void SetUp() override {
+    try {
+      backend_ = make_backend(std::get<1>(GetParam()));
+    } catch (const Error& e) {
+      GTEST_SKIP() << e.what();
+    }
+  }
+  std::string name() const { return std::get<0>(GetParam()) + " on " + std::get<1>(GetParam()); }
+  std::string dir() const { return std::string(NIBBLE_FIXTURES_DIR) + "/models/" + std::get<0>(GetParam()); }
+  std::unique_ptr<Backend> backend_;
 };
 
 TEST_P(FixtureTest, LogitsMatchTransformers) {
   Expected want = load_expected(dir());
-  auto backend = make_cpu_backend();
-  auto model = load_model(dir(), *backend);
+  auto model = load_model(dir(), *backend_);
   const int64_t vocab = model->config().vocab_size;
   ASSERT_EQ(want.logits.size(), want.prompt.size() * size_t(vocab));
 
@@ -66,8 +76,8 @@ TEST_P(FixtureTest, LogitsMatchTransformers) {
   model->forward(want.prompt, 0, kv, true, logits);
   ASSERT_EQ(logits.size(), want.logits.size());
   const double err = normalized_error(logits.data(), want.logits.data(), logits.size());
-  EXPECT_LE(err, kTolerance) << GetParam() << ": all-position logits";
-  std::cout << GetParam() << ": max relative logit error " << err << "\n";
+  EXPECT_LE(err, kTolerance) << name() << ": all-position logits";
+  std::cout << name() << ": max relative logit error " << err << "\n";
 
   // The same prompt in two chunks through the KV cache gives the same last-token logits.
   KvCache kv2 = model->make_kv_cache(int64_t(want.prompt.size()));
@@ -80,8 +90,7 @@ TEST_P(FixtureTest, LogitsMatchTransformers) {
 
 TEST_P(FixtureTest, GreedyMatchesTransformers) {
   Expected want = load_expected(dir());
-  auto backend = make_cpu_backend();
-  auto model = load_model(dir(), *backend);
+  auto model = load_model(dir(), *backend_);
   Tokenizer tok = Tokenizer::from_file(dir() + "/tokenizer.json");
   GenerateRequest req;
   req.prompt = want.prompt;
@@ -94,10 +103,12 @@ TEST_P(FixtureTest, GreedyMatchesTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, FixtureTest,
-                         ::testing::Values("tiny-qwen3-moe", "tiny-qwen3", "tiny-qwen3-moe-int4-g32",
-                                           "tiny-qwen3-int4-g64-asym"),
+                         ::testing::Combine(::testing::Values("tiny-qwen3-moe", "tiny-qwen3",
+                                                              "tiny-qwen3-moe-int4-g32",
+                                                              "tiny-qwen3-int4-g64-asym"),
+                                            ::testing::Values("cpu", "cuda")),
                          [](const auto& info) {
-                           std::string s = info.param;
+                           std::string s = std::get<0>(info.param) + "_" + std::get<1>(info.param);
                            std::replace(s.begin(), s.end(), '-', '_');
                            return s;
                          });

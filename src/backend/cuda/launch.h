@@ -1,0 +1,33 @@
+// Launchers of the CUDA kernels, callable from plain C++ (the .cu files that define them are the
+// only code nvcc compiles). All run on the default stream; the caller checks cudaGetLastError().
+// Pointers are device memory; shapes as in backend/backend.h.
+#pragma once
+
+#include <cstdint>
+
+namespace nibble::cuda {
+
+enum class Dense { kF32, kF16, kBF16 };
+constexpr int64_t kAttentionMaxHeadDim = 256;
+constexpr int64_t kMoeMaxTopK = 32;
+
+void linear_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
+                  int64_t n, int64_t k);
+void linear_int4(const uint8_t* codes, const float* scales, const uint8_t* zeros, const float* bias,
+                 const float* x, float* y, int64_t m, int64_t n, int64_t k, int64_t group_size,
+                 int64_t n_groups);
+void embed(Dense type, const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out);
+void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, float eps);
+void rope_neox(float* x, const float* inv_freq, float attention_factor, int64_t m, int64_t n_head,
+               int64_t head_dim, int64_t pos0);
+void attention(const float* q, const float* k, const float* v, float* out, int64_t m, int64_t pos0,
+               int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale);
+void silu_mul(const float* gate, const float* up, int64_t count, float* out);
+void add(const float* x, int64_t count, float* y);
+void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k, bool normalize,
+               int32_t* ids, float* weights);
+void gather_rows(const float* src, const int32_t* rows, int64_t n_rows, int64_t dim, float* dst);
+void scatter_add_weighted(const float* src, const int32_t* rows, const float* row_weights,
+                          int64_t n_rows, int64_t dim, float* dst);
+
+}  // namespace nibble::cuda

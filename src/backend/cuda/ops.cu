@@ -1,0 +1,101 @@
+// Launch configurations of the reference CUDA kernels (kernels/*.cuh); see launch.h.
+#include "backend/cuda/launch.h"
+#include "kernels/attention.cuh"
+#include "kernels/elementwise.cuh"
+#include "kernels/linear.cuh"
+#include "kernels/moe.cuh"
+#include "kernels/norm.cuh"
+
+namespace nibble::cuda {
+namespace {
+
+unsigned blocks_for(int64_t threads_total, int threads_per_block) {
+  return unsigned((threads_total + threads_per_block - 1) / threads_per_block);
+}
+
+template <template <kernels::DenseType> class Fn, typename... Args>
+void dispatch_dense(Dense type, Args... args) {
+  switch (type) {
+    case Dense::kF32: Fn<kernels::DenseType::kF32>::run(args...); break;
+    case Dense::kF16: Fn<kernels::DenseType::kF16>::run(args...); break;
+    case Dense::kBF16: Fn<kernels::DenseType::kBF16>::run(args...); break;
+  }
+}
+
+constexpr int kLinearWarps = 8;
+
+template <kernels::DenseType T>
+struct LinearDense {
+  static void run(const void* w, const float* bias, const float* x, float* y, int64_t m, int64_t n, int64_t k) {
+    kernels::linear_dense_warp_row_kernel<T><<<blocks_for(n, kLinearWarps), 32 * kLinearWarps>>>(w, bias, x, y, m, n, k);
+  }
+};
+
+template <kernels::DenseType T>
+struct Embed {
+  static void run(const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out) {
+    kernels::embed_kernel<T><<<unsigned(m), 256>>>(table, ids, dim, out);
+  }
+};
+
+}  // namespace
+
+void linear_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
+                  int64_t n, int64_t k) {
+  dispatch_dense<LinearDense>(type, w, bias, x, y, m, n, k);
+}
+
+void linear_int4(const uint8_t* codes, const float* scales, const uint8_t* zeros, const float* bias,
+                 const float* x, float* y, int64_t m, int64_t n, int64_t k, int64_t group_size,
+                 int64_t n_groups) {
+  kernels::linear_int4_warp_row_kernel<<<blocks_for(n, kLinearWarps), 32 * kLinearWarps>>>(
+      codes, scales, zeros, bias, x, y, m, n, k, group_size, n_groups);
+}
+
+void embed(Dense type, const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out) {
+  dispatch_dense<Embed>(type, table, ids, m, dim, out);
+}
+
+void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, float eps) {
+  kernels::rms_norm_block_kernel<<<unsigned(rows), 256>>>(x, w, y, dim, eps);
+}
+
+void rope_neox(float* x, const float* inv_freq, float attention_factor, int64_t m, int64_t n_head,
+               int64_t head_dim, int64_t pos0) {
+  kernels::rope_neox_kernel<<<blocks_for(m * n_head * (head_dim / 2), 256), 256>>>(
+      x, inv_freq, attention_factor, m, n_head, head_dim, pos0);
+}
+
+void attention(const float* q, const float* k, const float* v, float* out, int64_t m, int64_t pos0,
+               int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
+  static_assert(kAttentionMaxHeadDim == kernels::kAttentionMaxHeadDim);
+  constexpr int kWarps = 4;
+  kernels::attention_online_warp_kernel<<<blocks_for(m * n_head, kWarps), 32 * kWarps>>>(
+      q, k, v, out, m, pos0, n_head, n_head_kv, head_dim, scale);
+}
+
+void silu_mul(const float* gate, const float* up, int64_t count, float* out) {
+  kernels::silu_mul_kernel<<<blocks_for(count, 256), 256>>>(gate, up, count, out);
+}
+
+void add(const float* x, int64_t count, float* y) {
+  kernels::add_kernel<<<blocks_for(count, 256), 256>>>(x, count, y);
+}
+
+void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k, bool normalize,
+               int32_t* ids, float* weights) {
+  static_assert(kMoeMaxTopK == kernels::kMoeMaxTopK);
+  kernels::moe_route_kernel<<<blocks_for(m, 128), 128>>>(logits, m, n_experts, top_k, normalize, ids, weights);
+}
+
+void gather_rows(const float* src, const int32_t* rows, int64_t n_rows, int64_t dim, float* dst) {
+  kernels::gather_rows_kernel<<<blocks_for(n_rows * dim, 256), 256>>>(src, rows, n_rows, dim, dst);
+}
+
+void scatter_add_weighted(const float* src, const int32_t* rows, const float* row_weights,
+                          int64_t n_rows, int64_t dim, float* dst) {
+  kernels::scatter_add_weighted_kernel<<<blocks_for(n_rows * dim, 256), 256>>>(src, rows, row_weights,
+                                                                               n_rows, dim, dst);
+}
+
+}  // namespace nibble::cuda

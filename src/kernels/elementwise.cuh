@@ -1,0 +1,32 @@
+// Element-wise kernels on f32: SwiGLU's silu(gate)·up, residual add, and the embedding lookup that
+// widens one stored row (f32/f16/bf16) per token.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/linear.cuh"
+
+namespace nibble::kernels {
+
+__global__ void silu_mul_kernel(const float* __restrict__ gate, const float* __restrict__ up,
+                                int64_t count, float* __restrict__ out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  const float g = gate[i];
+  out[i] = g / (1.f + expf(-g)) * up[i];
+}
+
+__global__ void add_kernel(const float* __restrict__ x, int64_t count, float* __restrict__ y) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count) y[i] += x[i];
+}
+
+template <DenseType T>
+__global__ void embed_kernel(const void* __restrict__ table, const int32_t* __restrict__ ids,
+                             int64_t dim, float* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  const int64_t row = ids[t];
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[t * dim + i] = load_weight<T>(table, row * dim + i);
+}
+
+}  // namespace nibble::kernels

@@ -1,0 +1,292 @@
+// Every op of every non-CPU backend against the CPU reference, on fresh random inputs (never
+// zeros), awkward shapes (sizes that are not tile multiples, GQA ratios, empty experts, skewed
+// routing) and every weight format. Outputs are poisoned with NaN first, so an element a kernel
+// forgets to write fails the test. Error = max |ours - cpu| / max |cpu| over the output; both
+// sides compute in f32, so the tolerance is 1e-5 (summation order is the only difference).
+// Without a GPU (or in a build without CUDA) the tests report as skipped.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "model/model.h"
+
+namespace nibble {
+namespace {
+
+constexpr double kTolerance = 1e-5;
+
+class OpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    try {
+      gpu_ = make_backend("cuda");
+    } catch (const Error& e) {
+      GTEST_SKIP() << "no CUDA backend here: " << e.what();
+    }
+    cpu_ = make_cpu_backend();
+  }
+  // A test that ran on a GPU must have compared something.
+  void TearDown() override {
+    if (gpu_) EXPECT_GT(cases_, 0) << "no case was compared";
+  }
+
+  std::vector<float> random(int64_t n, float scale = 1.f) {
+    std::uniform_real_distribution<float> d(-scale, scale);
+    std::vector<float> v(static_cast<size_t>(n));
+    for (auto& x : v) x = d(rng_);
+    return v;
+  }
+
+  // Device copy of host data, kept alive for the test.
+  template <typename T>
+  T* on_gpu(const std::vector<T>& host) {
+    buffers_.emplace_back(*gpu_, host.size() * sizeof(T));
+    gpu_->copy_to_backend(buffers_.back().data(), host.data(), host.size() * sizeof(T));
+    return buffers_.back().template data<T>();
+  }
+  float* poisoned_gpu(int64_t n) {
+    return on_gpu(std::vector<float>(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN()));
+  }
+  std::vector<float> to_host(const float* dev, int64_t n) {
+    std::vector<float> out(static_cast<size_t>(n));
+    gpu_->copy_to_host(out.data(), dev, out.size() * sizeof(float));
+    return out;
+  }
+
+  void expect_close(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    double diff = 0, ref = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << what << ": element " << i << " is " << got[i];
+      diff = std::max(diff, double(std::fabs(got[i] - want[i])));
+      ref = std::max(ref, double(std::fabs(want[i])));
+    }
+    EXPECT_LE(diff / ref, kTolerance) << what;
+    ++cases_;
+  }
+
+  // A random weight of shape [n, k] in `format` (INT4: random codes, zeros and positive scales).
+  LinearWeight random_weight(WeightFormat format, int64_t n, int64_t k, int64_t group = 32, bool bias = false) {
+    LinearWeight w;
+    if (format == WeightFormat::kInt4) {
+      Int4Matrix m;
+      m.n = n;
+      m.k = k;
+      m.group_size = group > 0 ? group : k;
+      m.n_groups = (k + m.group_size - 1) / m.group_size;
+      std::uniform_int_distribution<int> code(0, 255), zero(0, 15);
+      std::uniform_real_distribution<float> scale(0.005f, 0.05f);
+      m.codes.resize(size_t(n * m.row_bytes()));
+      for (auto& c : m.codes) c = uint8_t(code(rng_));
+      m.scales.resize(size_t(n * m.n_groups));
+      for (auto& s : m.scales) s = scale(rng_);
+      m.zeros.resize(size_t(n * m.n_groups));
+      for (auto& z : m.zeros) z = uint8_t(zero(rng_));
+      w = int4_weight("w", std::move(m));
+    } else {
+      auto values = random(n * k, 0.1f);
+      std::shared_ptr<std::vector<uint16_t>> half;
+      std::shared_ptr<std::vector<float>> full;
+      if (format == WeightFormat::kF32) {
+        full = std::make_shared<std::vector<float>>(values);
+        w.dense = full->data();
+        w.storage.push_back(full);
+      } else {
+        half = std::make_shared<std::vector<uint16_t>>(values.size());
+        for (size_t i = 0; i < values.size(); ++i)
+          (*half)[i] = format == WeightFormat::kF16 ? f32_to_f16(values[i]) : f32_to_bf16(values[i]);
+        w.dense = half->data();
+        w.storage.push_back(half);
+      }
+      w.name = "w";
+      w.n = n;
+      w.k = k;
+      w.format = format;
+    }
+    if (bias) {
+      WeightVector b = host_vector(random(n));
+      w.bias = b.data;
+      w.storage.push_back(b.storage);
+    }
+    return w;
+  }
+
+  int cases_ = 0;
+  std::mt19937 rng_{1234};
+  std::unique_ptr<Backend> gpu_, cpu_;
+  std::vector<Buffer> buffers_;
+};
+
+TEST_F(OpsTest, Linear) {
+  struct Format {
+    WeightFormat format;
+    int64_t group;
+    const char* name;
+  };
+  for (Format f : {Format{WeightFormat::kF32, 0, "f32"}, Format{WeightFormat::kF16, 0, "f16"},
+                   Format{WeightFormat::kBF16, 0, "bf16"}, Format{WeightFormat::kInt4, 32, "int4-g32"},
+                   Format{WeightFormat::kInt4, 128, "int4-g128"}, Format{WeightFormat::kInt4, -1, "int4-channel"}}) {
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 96}, {200, 328}, {8, 2048}, {1000, 40}}) {
+      for (int64_t m : {1, 2, 5, 16, 33}) {
+        const bool bias = m == 5;
+        LinearWeight host = random_weight(f.format, n, k, f.group, bias);
+        LinearWeight dev = gpu_->upload(host);
+        auto x = random(m * k);
+        std::vector<float> want(size_t(m * n));
+        cpu_->linear(host, x.data(), m, want.data());
+        float* out = poisoned_gpu(m * n);
+        gpu_->linear(dev, on_gpu(x), m, out);
+        expect_close(to_host(out, m * n), want, fmt::format("linear {} m={} n={} k={}", f.name, m, n, k));
+      }
+    }
+  }
+}
+
+TEST_F(OpsTest, EmbedNormRopeElementwise) {
+  for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kF16, WeightFormat::kBF16}) {
+    LinearWeight table = random_weight(f, 301, 72);
+    std::vector<int32_t> ids = {0, 300, 17, 17, 5};
+    std::vector<float> want(ids.size() * 72);
+    cpu_->embed(table, ids.data(), int64_t(ids.size()), want.data());
+    float* out = poisoned_gpu(int64_t(want.size()));
+    gpu_->embed(gpu_->upload(table), ids.data(), int64_t(ids.size()), out);
+    expect_close(to_host(out, int64_t(want.size())), want, "embed");
+  }
+  EXPECT_THROW(gpu_->embed(gpu_->upload(random_weight(WeightFormat::kF32, 10, 8)), std::vector<int32_t>{10}.data(), 1,
+                           poisoned_gpu(8)), Error);
+  for (auto [rows, dim] : {std::pair<int64_t, int64_t>{1, 40}, {7, 2048}, {64, 96}}) {
+    auto x = random(rows * dim, 3.f);
+    WeightVector w = host_vector(random(dim));
+    std::vector<float> want(x.size());
+    cpu_->rms_norm(x.data(), w, rows, dim, 1e-6f, want.data());
+    float* out = poisoned_gpu(rows * dim);
+    gpu_->rms_norm(on_gpu(x), gpu_->upload(w), rows, dim, 1e-6f, out);
+    expect_close(to_host(out, rows * dim), want, fmt::format("rms_norm {}x{}", rows, dim));
+  }
+  for (const char* rope_type : {"default", "yarn"}) {
+    ModelConfig c;
+    c.head_dim = 128;
+    c.rope.theta = 1e6;
+    c.rope.type = rope_type;
+    c.rope.factor = 4;
+    c.rope.original_max_position_embeddings = 4096;
+    RopeTable host = make_rope_table(c);
+    RopeTable dev{gpu_->upload(host.inv_freq), host.attention_factor};
+    for (int64_t pos0 : {0, 1000, 30000}) {
+      const int64_t m = 9, heads = 4;
+      auto x = random(m * heads * 128);
+      std::vector<float> want = x;
+      cpu_->rope(want.data(), m, heads, 128, pos0, host);
+      float* d = on_gpu(x);
+      gpu_->rope(d, m, heads, 128, pos0, dev);
+      expect_close(to_host(d, int64_t(x.size())), want, fmt::format("rope {} pos0={}", rope_type, pos0));
+    }
+  }
+  const int64_t count = 1001;
+  auto a = random(count, 4.f), b = random(count, 4.f);
+  std::vector<float> want(count);
+  cpu_->silu_mul(a.data(), b.data(), count, want.data());
+  float* out = poisoned_gpu(count);
+  gpu_->silu_mul(on_gpu(a), on_gpu(b), count, out);
+  expect_close(to_host(out, count), want, "silu_mul");
+  want = b;
+  cpu_->add(a.data(), count, want.data());
+  float* y = on_gpu(b);
+  gpu_->add(on_gpu(a), count, y);
+  expect_close(to_host(y, count), want, "add");
+}
+
+TEST_F(OpsTest, Attention) {
+  struct Shape {
+    int64_t n_head, n_head_kv, head_dim;
+  };
+  for (Shape s : {Shape{4, 2, 40}, Shape{32, 4, 128}, Shape{5, 1, 24}, Shape{8, 8, 64}}) {
+    for (auto [m, pos0] : {std::pair<int64_t, int64_t>{1, 0}, {6, 0}, {1, 300}, {5, 17}, {33, 70}}) {
+      const int64_t ctx = pos0 + m, row = s.n_head_kv * s.head_dim;
+      auto q = random(m * s.n_head * s.head_dim), k = random(ctx * row), v = random(ctx * row);
+      const float scale = 1.f / std::sqrt(float(s.head_dim));
+      std::vector<float> want(size_t(m * s.n_head * s.head_dim));
+      cpu_->attention(q.data(), k.data(), v.data(), m, pos0, s.n_head, s.n_head_kv, s.head_dim, scale, want.data());
+      float* out = poisoned_gpu(int64_t(want.size()));
+      gpu_->attention(on_gpu(q), on_gpu(k), on_gpu(v), m, pos0, s.n_head, s.n_head_kv, s.head_dim, scale, out);
+      expect_close(to_host(out, int64_t(want.size())), want,
+                   fmt::format("attention {}/{}x{} m={} pos0={}", s.n_head, s.n_head_kv, s.head_dim, m, pos0));
+    }
+  }
+}
+
+TEST_F(OpsTest, MoeRoute) {
+  for (auto [m, experts, top_k] : {std::tuple<int64_t, int64_t, int64_t>{1, 7, 3}, {13, 128, 8}, {40, 16, 1}}) {
+    for (bool normalize : {true, false}) {
+      // Distinct logits (a shuffled ramp plus small noise): no near ties to order differently.
+      std::vector<float> logits(size_t(m * experts));
+      for (int64_t t = 0; t < m; ++t) {
+        std::vector<int> order(static_cast<size_t>(experts));
+        std::iota(order.begin(), order.end(), 0);
+        std::shuffle(order.begin(), order.end(), rng_);
+        for (int64_t e = 0; e < experts; ++e)
+          logits[size_t(t * experts + e)] = 0.05f * float(order[size_t(e)]) + random(1, 0.01f)[0];
+      }
+      std::vector<int32_t> want_ids(size_t(m * top_k)), got_ids(want_ids.size());
+      std::vector<float> want_w(want_ids.size());
+      cpu_->moe_route(logits.data(), m, experts, top_k, normalize, want_ids.data(), want_w.data());
+      float* w = poisoned_gpu(m * top_k);
+      buffers_.emplace_back(*gpu_, got_ids.size() * 4);
+      int32_t* ids = buffers_.back().data<int32_t>();
+      gpu_->moe_route(on_gpu(logits), m, experts, top_k, normalize, ids, w);
+      gpu_->copy_to_host(got_ids.data(), ids, got_ids.size() * 4);
+      EXPECT_EQ(got_ids, want_ids);
+      expect_close(to_host(w, m * top_k), want_w, fmt::format("moe_route m={} E={} k={}", m, experts, top_k));
+    }
+  }
+}
+
+TEST_F(OpsTest, MoeBlock) {
+  const int64_t H = 96, inter = 48, E = 16;
+  for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kInt4}) {
+    for (int64_t m : {1, 5, 40}) {
+      for (bool skewed : {false, true}) {
+        MoeWeights host, dev;
+        host.top_k = dev.top_k = 4;
+        host.normalize = dev.normalize = true;
+        host.router = random_weight(WeightFormat::kBF16, E, H);
+        if (skewed) {  // experts 0..3 win for most tokens; the others stay empty
+          auto router = random(E * H, 0.01f);
+          for (int64_t e = 0; e < 4; ++e)
+            for (int64_t i = 0; i < H; ++i) router[size_t(e * H + i)] = 0.5f;
+          auto owned = std::make_shared<std::vector<float>>(router);
+          host.router = LinearWeight{};
+          host.router.name = "router";
+          host.router.n = E;
+          host.router.k = H;
+          host.router.format = WeightFormat::kF32;
+          host.router.dense = owned->data();
+          host.router.storage.push_back(owned);
+        }
+        dev.router = gpu_->upload(host.router);
+        for (int64_t e = 0; e < E; ++e) {
+          host.experts.push_back({random_weight(f, inter, H), random_weight(f, inter, H), random_weight(f, H, inter)});
+          const MlpWeights& ex = host.experts.back();
+          dev.experts.push_back({gpu_->upload(ex.gate), gpu_->upload(ex.up), gpu_->upload(ex.down)});
+        }
+        auto x = random(m * H, 2.f);
+        if (skewed)
+          for (auto& v : x) v = std::fabs(v) + 0.1f;  // positive inputs: the 0.5 rows dominate
+        std::vector<float> want(size_t(m * H));
+        cpu_->moe(host, x.data(), m, want.data());
+        float* out = poisoned_gpu(m * H);
+        gpu_->moe(dev, on_gpu(x), m, out);
+        expect_close(to_host(out, m * H), want,
+                     fmt::format("moe {} m={}{}", weight_format_name(f), m, skewed ? " skewed" : ""));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace nibble
