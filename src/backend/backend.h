@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/hash_random.h"
 #include "model/weights.h"
 
 namespace nibble {
@@ -23,6 +24,11 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // The device, driver and runtime, for benchmark reports ("NVIDIA H100 80GB HBM3, driver ...").
+  virtual std::string description() const = 0;
+  // Measured device-to-device copy bandwidth in bytes/s (bytes read plus bytes written): the
+  // roofline that benchmarks compare against.
+  virtual double copy_bandwidth() = 0;
 
   // Memory of this backend (device memory for GPUs). alloc never returns null: it throws Error.
   virtual void* alloc(size_t bytes) = 0;
@@ -32,6 +38,10 @@ class Backend {
   // Weights as this backend computes with them (the CPU keeps the host views as they are).
   virtual LinearWeight upload(const LinearWeight& host) = 0;
   virtual WeightVector upload(const WeightVector& host) = 0;
+
+  // Fills dst[count] (F32, BF16 or U8) with values uniform in [lo, hi] (U8: integers lo..hi) from
+  // a counter-based hash of (seed, index): every backend produces the same values.
+  virtual void fill_random(void* dst, DType dtype, int64_t count, float lo, float hi, uint64_t seed) = 0;
 
   // out[m, n] = x[m, k] · Wᵀ (+ bias)
   virtual void linear(const LinearWeight& w, const float* x, int64_t m, float* out) = 0;

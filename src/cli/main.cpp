@@ -1,4 +1,4 @@
-// nibble: one binary for run | info | quantize (and, as they land, serve | bench).
+// nibble: one binary for run | info | quantize | bench (and, as it lands, serve).
 #include <fmt/format.h>
 
 #include "cli/commands.h"
@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   nibble::cli::add_run_command(app);
   nibble::cli::add_info_command(app);
   nibble::cli::add_quantize_command(app);
+  nibble::cli::add_bench_command(app, argc, argv);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

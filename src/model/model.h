@@ -11,7 +11,6 @@
 
 #include "backend/backend.h"
 #include "format/hf_config.h"
-#include "format/safetensors.h"
 #include "runtime/kv_cache.h"
 
 namespace nibble {
@@ -31,6 +30,13 @@ class Model {
   virtual void forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
                        std::vector<float>& logits) = 0;
   virtual KvCache make_kv_cache(int64_t max_tokens) const = 0;
+  // Bytes one decoded token reads: every weight it uses (the top-k experts of each MoE layer, one
+  // embedding row) and, per token of context, the KV cache as this backend stores it.
+  virtual int64_t weight_bytes_per_token() const = 0;
+  int64_t kv_bytes_per_context_token() const {
+    return 2 * config_.num_hidden_layers * config_.num_key_value_heads * config_.head_dim *
+           int64_t(sizeof(float));
+  }
 
   void set_tracer(Tracer tracer) { tracer_ = std::move(tracer); }
   Backend& backend() const { return backend_; }
@@ -47,15 +53,18 @@ class Model {
   ModelConfig config_;
   Backend& backend_;
   Tracer tracer_;
+};
 
- private:
-  friend std::unique_ptr<Model> load_model(const std::string&, Backend&);
-  Checkpoint checkpoint_;
+struct LoadOptions {
+  std::string load_format = "auto";  // "auto": the checkpoint's safetensors; "dummy": random weights
+  std::string quantization;          // with dummy weights: "" (BF16) or "int4" (GPTQ-like, W4A16)
+  int group_size = 128;
 };
 
 // Reads config.json, picks the architecture by model_type and loads the weights. Errors name the
 // file and the field or tensor that is wrong.
-std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend);
+std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend,
+                                  const LoadOptions& options = {});
 
 // model_types nibble can run, for messages and `nibble info`.
 std::vector<std::string> supported_model_types();

@@ -25,15 +25,32 @@ std::vector<std::string> supported_model_types() {
   return out;
 }
 
-std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend) {
+std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend,
+                                  const LoadOptions& options) {
   ModelConfig config = load_model_config(model_dir);
+  NIBBLE_CHECK(options.load_format == "auto" || options.load_format == "dummy",
+               "--load-format {}: expected auto or dummy", options.load_format);
+  NIBBLE_CHECK(options.quantization.empty() || options.load_format == "dummy",
+               "--quantization applies to --load-format dummy (checkpoints carry their own format)");
+  NIBBLE_CHECK(options.quantization.empty() || options.quantization == "int4",
+               "--quantization {}: only int4 is supported", options.quantization);
   for (auto& a : kArchitectures) {
-    if (config.model_type == a.model_type) {
-      Checkpoint ckpt = Checkpoint::open(model_dir);
-      auto model = a.create(config, ckpt, backend);
-      model->checkpoint_ = std::move(ckpt);  // dense weights are views into its mappings
-      return model;
+    if (config.model_type != a.model_type) continue;
+    std::unique_ptr<WeightSource> source;
+    if (options.load_format == "dummy") {
+      NIBBLE_CHECK(config.quant.method.empty(), "{}: --load-format dummy needs an unquantized config "
+                   "(use --quantization int4 for 4-bit weights)", config.path);
+      if (options.quantization == "int4") {
+        config.quant = {.method = "gptq", .bits = 4, .group_size = options.group_size, .sym = true};
+      }
+      source = dummy_source(config, backend, {options.quantization == "int4", options.group_size, 1});
+    } else {
+      source = checkpoint_source(std::make_shared<const Checkpoint>(Checkpoint::open(model_dir)),
+                                 config, backend);
     }
+    auto model = a.create(config, *source, backend);
+    source->finish();
+    return model;
   }
   std::string list;
   for (auto& t : supported_model_types()) list += (list.empty() ? "" : ", ") + t;

@@ -160,6 +160,22 @@ TEST_F(CliTest, QuantizeIsDeterministicAndMatchesCommittedFixture) {
                {"--group-size"});
 }
 
+TEST_F(CliTest, BenchReportsTheSweepAsTableAndJson) {
+  const std::string json = (tmp_ / "bench.json").string();
+  Result r = run_nibble("bench -m " + fixture("tiny-qwen3-moe-int4-g32") + " -p 8,16 -n 4 -d 0,20 -r 2 --json " + json);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("| tg4 | 20 |"), std::string::npos) << r.output;
+  auto j = nlohmann::json::parse(std::ifstream(json));
+  ASSERT_EQ(j["results"].size(), 6u);  // (pp8, pp16, tg4) x 2 depths
+  for (auto& row : j["results"]) EXPECT_GT(row["tok_s"].get<double>(), 0);
+  EXPECT_GT(j["meta"]["weight_bytes_per_token"].get<double>(), 0);
+  EXPECT_GT(j["meta"]["copy_bandwidth_bytes_per_s"].get<double>(), 0);
+  EXPECT_FALSE(j["meta"]["commit"].get<std::string>().empty());
+  expect_error(run_nibble("bench -m " + fixture("tiny-qwen3") + " -p 8,x"), {"-p", "'x'"});
+  expect_error(run_nibble("bench -m " + fixture("tiny-qwen3") + " --load-format dummy --quantization int3"),
+               {"--quantization int3"});
+}
+
 TEST_F(CliTest, MissingFiles) {
   expect_error(run_nibble("run -m " + (tmp_ / "nope").string() + " --prompt hi"), {"nope"});
   fs::create_directories(tmp_ / "empty");

@@ -1,7 +1,10 @@
 // The CPU reference backend: plain loops in f32, parallel over output rows with OpenMP. It defines
 // what every op computes; other backends are tested against it, and it is itself tested against
 // Hugging Face transformers through the model fixtures.
+#include <omp.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -33,6 +36,18 @@ float dot(const float* a, const float* b, int64_t n) {
 class CpuBackend final : public Backend {
  public:
   std::string name() const override { return "cpu"; }
+  std::string description() const override {
+    return "CPU reference backend, " + std::to_string(omp_get_max_threads()) + " threads";
+  }
+  double copy_bandwidth() override {
+    const size_t bytes = size_t(256) << 20;
+    std::vector<uint8_t> a(bytes, 1), b(bytes);
+    std::memcpy(b.data(), a.data(), bytes);  // warm-up: fault the pages in
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 4; ++i) std::memcpy(i % 2 ? a.data() : b.data(), i % 2 ? b.data() : a.data(), bytes);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return 4.0 * 2 * double(bytes) / s;
+  }
 
   void* alloc(size_t bytes) override {
     void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -44,6 +59,20 @@ class CpuBackend final : public Backend {
   void copy_to_host(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
   LinearWeight upload(const LinearWeight& host) override { return host; }
   WeightVector upload(const WeightVector& host) override { return host; }
+
+  void fill_random(void* dst, DType dtype, int64_t count, float lo, float hi, uint64_t seed) override {
+#pragma omp parallel for schedule(static) if (count >= (1 << 20))
+    for (int64_t i = 0; i < count; ++i) {
+      const float u = hash_uniform(seed, uint64_t(i));
+      switch (dtype) {
+        case DType::U8:
+          static_cast<uint8_t*>(dst)[i] = uint8_t(std::min(hi, lo + std::floor(u * (hi - lo + 1))));
+          break;
+        case DType::BF16: static_cast<uint16_t*>(dst)[i] = f32_to_bf16(lo + u * (hi - lo)); break;
+        default: static_cast<float*>(dst)[i] = lo + u * (hi - lo); break;
+      }
+    }
+  }
 
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
     const int64_t n = w.n, k = w.k;

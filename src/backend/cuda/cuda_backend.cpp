@@ -14,6 +14,8 @@
 #include "backend/cuda/launch.h"
 #include "core/status.h"
 
+#include <fmt/format.h>
+
 namespace nibble {
 namespace {
 
@@ -41,6 +43,37 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaSetDevice(0));
   }
   std::string name() const override { return "cuda"; }
+  std::string description() const override {
+    cudaDeviceProp prop{};
+    int driver = 0, runtime = 0;
+    cudaGetDeviceProperties(&prop, 0);
+    cudaDriverGetVersion(&driver);
+    cudaRuntimeGetVersion(&runtime);
+    return fmt::format("{} (sm_{}{}, {} SMs, {:.0f} GiB), CUDA driver {}.{}, runtime {}.{}", prop.name,
+                       prop.major, prop.minor, prop.multiProcessorCount, double(prop.totalGlobalMem) / (1 << 30),
+                       driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+  }
+  double copy_bandwidth() override {
+    const size_t bytes = size_t(1) << 30;
+    Buffer a(*this, bytes), b(*this, bytes);
+    fill_random(a.data(), DType::U8, int64_t(bytes), 0, 255, 7);
+    cudaEvent_t start, stop;
+    CUDA_CHECK(cudaEventCreate(&start));
+    CUDA_CHECK(cudaEventCreate(&stop));
+    CUDA_CHECK(cudaMemcpy(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice));  // warm-up
+    constexpr int kReps = 10;
+    CUDA_CHECK(cudaEventRecord(start));
+    for (int i = 0; i < kReps; ++i)
+      CUDA_CHECK(cudaMemcpyAsync(i % 2 ? a.data() : b.data(), i % 2 ? b.data() : a.data(), bytes,
+                                 cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaEventRecord(stop));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    return kReps * 2.0 * double(bytes) / (double(ms) / 1e3);
+  }
 
   void* alloc(size_t bytes) override {
     void* p = nullptr;
@@ -76,6 +109,13 @@ class CudaBackend final : public Backend {
     auto buf = std::make_shared<Buffer>(*this, size_t(host.n) * 4);
     copy_to_backend(buf->data(), host.data, size_t(host.n) * 4);
     return {buf->data(), host.n, buf};
+  }
+
+  void fill_random(void* dst, DType dtype, int64_t count, float lo, float hi, uint64_t seed) override {
+    NIBBLE_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::U8,
+                 "fill_random: dtype {} is not supported", dtype_name(dtype));
+    cuda::fill_random(dst, dtype == DType::U8 ? 2 : dtype == DType::BF16 ? 1 : 0, count, lo, hi, seed);
+    CUDA_CHECK_LAUNCH("fill_random");
   }
 
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {

@@ -11,6 +11,8 @@ enum class Dense { kF32, kF16, kBF16 };
 constexpr int64_t kAttentionMaxHeadDim = 256;
 constexpr int64_t kMoeMaxTopK = 32;
 
+// kind: 0 = f32, 1 = bf16, 2 = u8 (see Backend::fill_random).
+void fill_random(void* dst, int kind, int64_t count, float lo, float hi, uint64_t seed);
 void linear_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
                   int64_t n, int64_t k);
 void linear_int4(const uint8_t* codes, const float* scales, const uint8_t* zeros, const float* bias,

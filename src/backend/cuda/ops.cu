@@ -1,4 +1,6 @@
 // Launch configurations of the reference CUDA kernels (kernels/*.cuh); see launch.h.
+#include <algorithm>
+
 #include "backend/cuda/launch.h"
 #include "kernels/attention.cuh"
 #include "kernels/elementwise.cuh"
@@ -39,6 +41,11 @@ struct Embed {
 };
 
 }  // namespace
+
+void fill_random(void* dst, int kind, int64_t count, float lo, float hi, uint64_t seed) {
+  kernels::fill_random_kernel<<<unsigned(std::min<int64_t>(blocks_for(count, 256), 65536)), 256>>>(
+      dst, kind, count, lo, hi, seed);
+}
 
 void linear_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
                   int64_t n, int64_t k) {

@@ -7,27 +7,22 @@
 
 #include "core/status.h"
 #include "model/arch/registry.h"
-#include "model/loader.h"
 
 namespace nibble {
 namespace {
 
 class Qwen3Moe final : public Model {
  public:
-  Qwen3Moe(const ModelConfig& config, const Checkpoint& ckpt, Backend& backend)
-      : Model(config, backend) {
+  Qwen3Moe(const ModelConfig& config, WeightSource& src, Backend& backend) : Model(config, backend) {
     const auto& c = config_;
     const int64_t hd = c.head_dim, H = c.hidden_size;
-    WeightLoader load(ckpt, c);
-    // Weights are read from the checkpoint and uploaded one module at a time, so a GPU backend
-    // never holds a second full copy in host memory.
     auto linear = [&](const std::string& name, int64_t n, int64_t k, bool bias = false) {
-      return backend_.upload(load.linear(name, n, k, bias));
+      return src.linear(name, n, k, bias);
     };
-    auto vector = [&](const std::string& name, int64_t n) { return backend_.upload(load.vector(name, n)); };
+    auto vector = [&](const std::string& name, int64_t n) { return src.vector(name, n); };
     w_.embed = linear("model.embed_tokens", c.vocab_size, H);
     NIBBLE_CHECK(w_.embed.format != WeightFormat::kInt4, "{}: quantized embeddings are not "
-                 "supported", ckpt.dir());
+                 "supported", c.path);
     w_.layers.resize(size_t(c.num_hidden_layers));
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const std::string p = "model.layers." + std::to_string(i);
@@ -45,8 +40,7 @@ class Qwen3Moe final : public Model {
         l.moe.router = linear(p + ".mlp.gate", c.num_experts, H);
         l.moe.top_k = c.num_experts_per_tok;
         l.moe.normalize = c.norm_topk_prob;
-        for (MlpWeights& e : load.experts(p + ".mlp.experts", c.num_experts, c.moe_intermediate_size, H))
-          l.moe.experts.push_back({backend_.upload(e.gate), backend_.upload(e.up), backend_.upload(e.down)});
+        l.moe.experts = src.experts(p + ".mlp.experts", c.num_experts, c.moe_intermediate_size, H);
       } else {
         l.mlp.gate = linear(p + ".mlp.gate_proj", c.intermediate_size, H);
         l.mlp.up = linear(p + ".mlp.up_proj", c.intermediate_size, H);
@@ -54,20 +48,32 @@ class Qwen3Moe final : public Model {
       }
     }
     w_.final_norm = vector("model.norm.weight", H);
-    if (c.tie_word_embeddings && !ckpt.has("lm_head.weight") && !ckpt.has("lm_head.qweight"))
+    if (c.tie_word_embeddings && !src.has("lm_head"))
       w_.lm_head = w_.embed;
     else
       w_.lm_head = linear("lm_head", c.vocab_size, H);
     RopeTable rope = make_rope_table(c);
     rope_ = {backend_.upload(rope.inv_freq), rope.attention_factor};
-    for (auto& name : load.unused())
-      fmt::print(stderr, "nibble: warning: {}: tensor '{}' is not used by {}\n", ckpt.dir(), name,
-                 c.model_type);
   }
 
   KvCache make_kv_cache(int64_t max_tokens) const override {
     return KvCache(backend_, config_.num_hidden_layers, max_tokens, config_.num_key_value_heads,
                    config_.head_dim);
+  }
+
+  int64_t weight_bytes_per_token() const override {
+    int64_t bytes = int64_t(w_.embed.bytes() / size_t(w_.embed.n)) + int64_t(w_.lm_head.bytes());
+    for (const LayerWeights& l : w_.layers) {
+      bytes += int64_t(l.q.bytes() + l.k.bytes() + l.v.bytes() + l.o.bytes());
+      if (!l.is_moe) {
+        bytes += int64_t(l.mlp.gate.bytes() + l.mlp.up.bytes() + l.mlp.down.bytes());
+        continue;
+      }
+      int64_t experts = 0;
+      for (const MlpWeights& e : l.moe.experts) experts += int64_t(e.gate.bytes() + e.up.bytes() + e.down.bytes());
+      bytes += int64_t(l.moe.router.bytes()) + experts / int64_t(l.moe.experts.size()) * l.moe.top_k;
+    }
+    return bytes;
   }
 
   void forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
@@ -136,9 +142,9 @@ class Qwen3Moe final : public Model {
 
 }  // namespace
 
-std::unique_ptr<Model> create_qwen3_moe(const ModelConfig& config, const Checkpoint& ckpt,
+std::unique_ptr<Model> create_qwen3_moe(const ModelConfig& config, WeightSource& src,
                                         Backend& backend) {
-  return std::make_unique<Qwen3Moe>(config, ckpt, backend);
+  return std::make_unique<Qwen3Moe>(config, src, backend);
 }
 
 }  // namespace nibble

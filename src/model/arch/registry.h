@@ -3,13 +3,13 @@
 
 #include <memory>
 
-#include "format/safetensors.h"
 #include "model/model.h"
+#include "model/weight_source.h"
 
 namespace nibble {
 
-using CreateModelFn = std::unique_ptr<Model> (*)(const ModelConfig&, const Checkpoint&, Backend&);
+using CreateModelFn = std::unique_ptr<Model> (*)(const ModelConfig&, WeightSource&, Backend&);
 
-std::unique_ptr<Model> create_qwen3_moe(const ModelConfig&, const Checkpoint&, Backend&);
+std::unique_ptr<Model> create_qwen3_moe(const ModelConfig&, WeightSource&, Backend&);
 
 }  // namespace nibble

@@ -1,0 +1,35 @@
+// The prefill-vs-decode sweep (llama-bench's pp/tg tests, as the user's llama-benchy runs them):
+// at each context depth d, `pp P` times the prefill of P new tokens after d tokens of context
+// (tok/s and time to first token), `tg N` times N single-token decode steps after d tokens.
+// Each figure is the mean ± std over repetitions; decode also reports the bytes a step reads
+// (weights + KV cache) per second against the measured copy bandwidth: the roofline.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+
+namespace nibble {
+
+struct SweepOptions {
+  std::vector<int64_t> prompt_tokens{512};
+  int64_t generate_tokens = 128;
+  std::vector<int64_t> depths{0};
+  int repetitions = 3;
+  uint64_t seed = 42;
+};
+
+struct SweepResult {
+  std::string test;  // "pp512", "tg128"
+  int64_t depth = 0;
+  double tok_s_mean = 0, tok_s_std = 0;
+  double ttft_ms_mean = 0;   // pp only
+  double bytes_per_token = 0;  // tg only: weights + KV read by one step
+  double gb_s = 0, roofline_pct = 0;
+};
+
+std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& options, double copy_bandwidth);
+
+}  // namespace nibble

@@ -1,0 +1,118 @@
+// nibble bench: the prefill-vs-decode sweep (bench/sweep.h) on one model and device, printed as a
+// Markdown table with the roofline beside each decode figure, and written as JSON with the run's
+// metadata (commit, device, driver, flags) for BENCHMARKS.md.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <ctime>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "bench/sweep.h"
+#include "cli/commands.h"
+#include "core/status.h"
+
+namespace nibble::cli {
+namespace {
+
+struct BenchOptions {
+  std::string model_dir, device = "cpu", load_format = "auto", quantization, json_path, prompts = "512",
+              depths = "0";
+  int64_t generate = 128;
+  int repetitions = 3;
+  std::vector<std::string> argv;
+};
+
+std::vector<int64_t> parse_list(const std::string& text, const char* flag) {
+  std::vector<int64_t> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    long long v = -1;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+    }
+    NIBBLE_CHECK(used == item.size() && v >= 0, "{} {}: '{}' is not a non-negative integer", flag, text, item);
+    out.push_back(v);
+  }
+  NIBBLE_CHECK(!out.empty(), "{}: empty list", flag);
+  return out;
+}
+
+void bench(const BenchOptions& o) {
+  SweepOptions sweep;
+  sweep.prompt_tokens = parse_list(o.prompts, "-p");
+  sweep.depths = parse_list(o.depths, "-d");
+  sweep.generate_tokens = o.generate;
+  sweep.repetitions = o.repetitions;
+  for (int64_t p : sweep.prompt_tokens) NIBBLE_CHECK(p > 0, "-p: prompt sizes must be positive");
+  auto backend = make_backend(o.device);
+  LoadOptions load;
+  load.load_format = o.load_format;
+  load.quantization = o.quantization;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto model = load_model(o.model_dir, *backend, load);
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double bandwidth = backend->copy_bandwidth();
+  const auto results = run_sweep(*model, sweep, bandwidth);
+
+  const ModelConfig& c = model->config();
+  const std::string device = backend->description();
+  const double weight_bytes = double(model->weight_bytes_per_token());
+  fmt::print("nibble bench — {} ({}{}), {}\n", o.model_dir, c.model_type,
+             o.load_format == "dummy" ? ", dummy weights" + (o.quantization.empty() ? std::string() : " " + o.quantization)
+                                      : std::string(),
+             device);
+  fmt::print("weights read per decoded token {:.3f} GB; KV {:.1f} KB per context token; copy bandwidth "
+             "{:.2f} TB/s; roofline at depth 0 {:.0f} tok/s\n\n", weight_bytes / 1e9,
+             double(model->kv_bytes_per_context_token()) / 1e3, bandwidth / 1e12, bandwidth / weight_bytes);
+  fmt::print("| test | depth | tok/s | TTFT ms | GB/s | % roofline |\n|---|---:|---:|---:|---:|---:|\n");
+  for (auto& r : results) {
+    if (r.test[0] == 'p')
+      fmt::print("| {} | {} | {:.1f} ± {:.1f} | {:.1f} | | |\n", r.test, r.depth, r.tok_s_mean, r.tok_s_std, r.ttft_ms_mean);
+    else
+      fmt::print("| {} | {} | {:.1f} ± {:.1f} | | {:.0f} | {:.1f}% |\n", r.test, r.depth, r.tok_s_mean, r.tok_s_std,
+                 r.gb_s, r.roofline_pct);
+  }
+  if (!o.json_path.empty()) {
+    const std::time_t now = std::time(nullptr);
+    char date[32];
+    std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    nlohmann::json j;
+    j["meta"] = {{"nibble", NIBBLE_VERSION}, {"commit", NIBBLE_GIT_COMMIT}, {"date", date}, {"device", device},
+                 {"model", o.model_dir}, {"model_type", c.model_type}, {"load_format", o.load_format},
+                 {"quantization", o.quantization}, {"load_seconds", load_s},
+                 {"copy_bandwidth_bytes_per_s", bandwidth}, {"weight_bytes_per_token", weight_bytes},
+                 {"kv_bytes_per_context_token", model->kv_bytes_per_context_token()},
+                 {"repetitions", o.repetitions}, {"command", o.argv}};
+    for (auto& r : results)
+      j["results"].push_back({{"test", r.test}, {"depth", r.depth}, {"tok_s", r.tok_s_mean}, {"tok_s_std", r.tok_s_std},
+                              {"ttft_ms", r.ttft_ms_mean}, {"bytes_per_token", r.bytes_per_token},
+                              {"gb_s", r.gb_s}, {"roofline_pct", r.roofline_pct}});
+    std::ofstream(o.json_path) << j.dump(2) << '\n';
+  }
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, int argc, char** argv) {
+  auto o = std::make_shared<BenchOptions>();
+  o->argv.assign(argv, argv + argc);
+  CLI::App* cmd = app.add_subcommand("bench", "Prefill/decode throughput sweep with the roofline");
+  cmd->add_option("-m,--model", o->model_dir, "Model directory (config.json is enough with dummy weights)")
+      ->required()->check(CLI::ExistingDirectory);
+  cmd->add_option("--device", o->device, "cpu or cuda");
+  cmd->add_option("--load-format", o->load_format, "auto (the checkpoint) or dummy (random weights)");
+  cmd->add_option("--quantization", o->quantization, "With dummy weights: int4 (W4A16, group 128)");
+  cmd->add_option("-p,--n-prompt", o->prompts, "Prompt sizes to prefill, comma-separated");
+  cmd->add_option("-n,--n-gen", o->generate, "Tokens to decode (0: no decode test)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("-d,--depth", o->depths, "Context depths, comma-separated");
+  cmd->add_option("-r,--repetitions", o->repetitions, "Repetitions (mean ± std)")->check(CLI::PositiveNumber);
+  cmd->add_option("--json", o->json_path, "Also write the results as JSON to this file");
+  cmd->callback([o] { bench(*o); });
+}
+
+}  // namespace nibble::cli

@@ -1,0 +1,124 @@
+#include "model/weight_source.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "core/status.h"
+#include "model/loader.h"
+
+namespace nibble {
+namespace {
+
+class CheckpointSource final : public WeightSource {
+ public:
+  CheckpointSource(std::shared_ptr<const Checkpoint> ckpt, const ModelConfig& config, Backend& backend)
+      : ckpt_(std::move(ckpt)), loader_(*ckpt_, config), backend_(backend), config_(config) {}
+
+  LinearWeight linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias) override {
+    return keep(backend_.upload(loader_.linear(prefix, n, k, has_bias)));
+  }
+  WeightVector vector(const std::string& name, int64_t n) override {
+    return backend_.upload(loader_.vector(name, n));
+  }
+  std::vector<MlpWeights> experts(const std::string& prefix, int64_t n_experts, int64_t inter,
+                                  int64_t hidden) override {
+    std::vector<MlpWeights> out;
+    for (MlpWeights& e : loader_.experts(prefix, n_experts, inter, hidden))
+      out.push_back({keep(backend_.upload(e.gate)), keep(backend_.upload(e.up)), keep(backend_.upload(e.down))});
+    return out;
+  }
+  bool has(const std::string& prefix) const override {
+    return ckpt_->has(prefix + ".weight") || ckpt_->has(prefix + ".qweight");
+  }
+  void finish() override {
+    for (auto& name : loader_.unused())
+      fmt::print(stderr, "nibble: warning: {}: tensor '{}' is not used by {}\n", ckpt_->dir(), name,
+                 config_.model_type);
+  }
+
+ private:
+  // Views into the checkpoint's mapping keep the checkpoint open.
+  LinearWeight keep(LinearWeight w) {
+    w.storage.push_back(ckpt_);
+    return w;
+  }
+  std::shared_ptr<const Checkpoint> ckpt_;
+  WeightLoader loader_;
+  Backend& backend_;
+  const ModelConfig& config_;
+};
+
+class DummySource final : public WeightSource {
+ public:
+  DummySource(const ModelConfig& config, Backend& backend, const DummyOptions& options)
+      : backend_(backend), o_(options), tied_(config.tie_word_embeddings) {}
+
+  LinearWeight linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias) override {
+    LinearWeight w;
+    w.name = prefix;
+    w.n = n;
+    w.k = k;
+    if (o_.int4 && prefix.ends_with("_proj")) {
+      NIBBLE_CHECK(k % 8 == 0 && n % 8 == 0, "--quantization int4: '{}' is [{}, {}], not a multiple "
+                   "of 8", prefix, n, k);
+      w.format = WeightFormat::kInt4;
+      w.int4.group_size = o_.group_size > 0 ? o_.group_size : k;
+      w.int4.n_groups = (k + w.int4.group_size - 1) / w.int4.group_size;
+      // Random codes, zero point 8 and small positive scales: weights of magnitude ~0.01 whose
+      // sums stay finite through 48 layers.
+      w.int4.codes = static_cast<const uint8_t*>(fill(w, DType::U8, n * ((k + 1) / 2), 0, 255));
+      w.int4.scales = static_cast<const float*>(fill(w, DType::F32, n * w.int4.n_groups, 0.001f, 0.003f));
+      w.int4.zeros = static_cast<const uint8_t*>(fill(w, DType::U8, n * w.int4.n_groups, 8, 8));
+    } else {
+      w.format = WeightFormat::kBF16;
+      const float bound = 1.f / std::sqrt(float(k));
+      w.dense = fill(w, DType::BF16, n * k, -bound, bound);
+    }
+    if (has_bias) w.bias = static_cast<const float*>(fill(w, DType::F32, n, -0.1f, 0.1f));
+    return w;
+  }
+  WeightVector vector(const std::string& name, int64_t n) override {
+    auto buf = std::make_shared<Buffer>(backend_, size_t(n) * 4);
+    backend_.fill_random(buf->data(), DType::F32, n, 0.9f, 1.1f, next_seed());
+    return {buf->data(), n, buf};
+  }
+  std::vector<MlpWeights> experts(const std::string& prefix, int64_t n_experts, int64_t inter,
+                                  int64_t hidden) override {
+    std::vector<MlpWeights> out;
+    for (int64_t e = 0; e < n_experts; ++e) {
+      const std::string p = prefix + "." + std::to_string(e);
+      out.push_back({linear(p + ".gate_proj", inter, hidden, false), linear(p + ".up_proj", inter, hidden, false),
+                     linear(p + ".down_proj", hidden, inter, false)});
+    }
+    return out;
+  }
+  bool has(const std::string& prefix) const override { return !(prefix == "lm_head" && tied_); }
+
+ private:
+  const void* fill(LinearWeight& w, DType dtype, int64_t count, float lo, float hi) {
+    auto buf = std::make_shared<Buffer>(backend_, size_t(count) * dtype_size_bytes(dtype));
+    backend_.fill_random(buf->data(), dtype, count, lo, hi, next_seed());
+    w.storage.push_back(buf);
+    return buf->data();
+  }
+  uint64_t next_seed() { return o_.seed * 0x9e3779b97f4a7c15ull + ++counter_; }
+  Backend& backend_;
+  DummyOptions o_;
+  bool tied_;
+  uint64_t counter_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<WeightSource> checkpoint_source(std::shared_ptr<const Checkpoint> ckpt,
+                                                const ModelConfig& config, Backend& backend) {
+  return std::make_unique<CheckpointSource>(std::move(ckpt), config, backend);
+}
+
+std::unique_ptr<WeightSource> dummy_source(const ModelConfig& config, Backend& backend,
+                                           const DummyOptions& options) {
+  return std::make_unique<DummySource>(config, backend, options);
+}
+
+}  // namespace nibble
