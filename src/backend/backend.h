@@ -39,7 +39,7 @@ class Backend {
   virtual LinearWeight upload(const LinearWeight& host) = 0;
   virtual WeightVector upload(const WeightVector& host) = 0;
 
-  // Fills dst[count] (F32, BF16 or U8) with values uniform in [lo, hi] (U8: integers lo..hi) from
+  // Fills dst[count] (F32, F16, BF16 or U8) with values uniform in [lo, hi] (U8: integers lo..hi) from
   // a counter-based hash of (seed, index): every backend produces the same values.
   virtual void fill_random(void* dst, DType dtype, int64_t count, float lo, float hi, uint64_t seed) = 0;
 

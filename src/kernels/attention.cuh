@@ -59,4 +59,97 @@ __global__ void attention_online_warp_kernel(const float* __restrict__ q, const 
   }
 }
 
+// Split-K (flash-decoding) attention for short query blocks over long contexts. Stage 1: block
+// (token·head, split) covers context positions [split·kSplit, (split+1)·kSplit) of that token's
+// causal range; its warps take every 4th position with an online softmax, then merge in shared
+// memory and write the split's (max, sum, unnormalised output). Stage 2 merges the splits.
+constexpr int kAttentionSplit = 256;
+constexpr int kAttentionSplitWarps = 4;
+
+__global__ void attention_split_kernel(const float* __restrict__ q, const float* __restrict__ k,
+                                       const float* __restrict__ v, float* __restrict__ partial,
+                                       int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
+                                       float scale, int64_t n_splits) {
+  constexpr int kPerLane = kAttentionMaxHeadDim / 32;
+  __shared__ float s_max[kAttentionSplitWarps], s_sum[kAttentionSplitWarps];
+  __shared__ float s_acc[kAttentionSplitWarps][kAttentionMaxHeadDim];
+  const int64_t pair = blockIdx.x, split = blockIdx.y;
+  const int64_t t = pair / n_head, h = pair % n_head, kv = h / (n_head / n_head_kv);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t n_ctx = pos0 + t + 1;
+  const int64_t begin = split * kAttentionSplit, end = min(n_ctx, begin + kAttentionSplit);
+  const float* qh = q + pair * head_dim;
+  float qv[kPerLane], acc[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int64_t d = lane + 32 * j;
+    qv[j] = d < head_dim ? qh[d] * scale : 0.f;
+    acc[j] = 0.f;
+  }
+  float running_max = -INFINITY, running_sum = 0.f;
+  for (int64_t pos = begin + warp; pos < end; pos += kAttentionSplitWarps) {
+    const float* kp = k + (pos * n_head_kv + kv) * head_dim;
+    const float* vp = v + (pos * n_head_kv + kv) * head_dim;
+    float dot = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t d = lane + 32 * j;
+      if (d < head_dim) dot += qv[j] * kp[d];
+    }
+    const float score = warp_sum(dot);
+    const float new_max = fmaxf(running_max, score);
+    const float correction = expf(running_max - new_max), p = expf(score - new_max);
+    running_sum = running_sum * correction + p;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t d = lane + 32 * j;
+      if (d < head_dim) acc[j] = acc[j] * correction + p * vp[d];
+    }
+    running_max = new_max;
+  }
+  if (lane == 0) s_max[warp] = running_max, s_sum[warp] = running_sum;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j)
+    if (lane + 32 * j < head_dim) s_acc[warp][lane + 32 * j] = acc[j];
+  __syncthreads();
+  float* out = partial + (pair * n_splits + split) * (head_dim + 2);
+  float block_max = -INFINITY;
+  for (int w = 0; w < kAttentionSplitWarps; ++w) block_max = fmaxf(block_max, s_max[w]);
+  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float o = 0.f;
+    for (int w = 0; w < kAttentionSplitWarps; ++w)
+      if (s_sum[w] > 0.f) o += s_acc[w][d] * expf(s_max[w] - block_max);
+    out[2 + d] = o;
+  }
+  if (threadIdx.x == 0) {
+    float sum = 0.f;
+    for (int w = 0; w < kAttentionSplitWarps; ++w)
+      if (s_sum[w] > 0.f) sum += s_sum[w] * expf(s_max[w] - block_max);
+    out[0] = block_max;
+    out[1] = sum;
+  }
+}
+
+__global__ void attention_merge_kernel(const float* __restrict__ partial, float* __restrict__ out,
+                                       int64_t m_heads, int64_t head_dim, int64_t n_splits) {
+  const int64_t pair = blockIdx.x;
+  const float* p = partial + pair * n_splits * (head_dim + 2);
+  float global_max = -INFINITY;
+  for (int64_t s = 0; s < n_splits; ++s)
+    if (p[s * (head_dim + 2) + 1] > 0.f) global_max = fmaxf(global_max, p[s * (head_dim + 2)]);
+  float sum = 0.f;
+  for (int64_t s = 0; s < n_splits; ++s) {
+    const float* ps = p + s * (head_dim + 2);
+    if (ps[1] > 0.f) sum += ps[1] * expf(ps[0] - global_max);
+  }
+  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float o = 0.f;
+    for (int64_t s = 0; s < n_splits; ++s) {
+      const float* ps = p + s * (head_dim + 2);
+      if (ps[1] > 0.f) o += ps[2 + d] * expf(ps[0] - global_max);
+    }
+    out[pair * head_dim + d] = o / sum;
+  }
+}
+
 }  // namespace nibble::kernels

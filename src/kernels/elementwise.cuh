@@ -30,7 +30,7 @@ __global__ void embed_kernel(const void* __restrict__ table, const int32_t* __re
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[t * dim + i] = load_weight<T>(table, row * dim + i);
 }
 
-// kind: 0 = f32, 1 = bf16, 2 = u8 integers lo..hi; values as the CPU backend's fill_random.
+// kind: 0 = f32, 1 = bf16, 2 = u8 integers lo..hi, 3 = f16; values as the CPU backend's fill_random.
 __global__ void fill_random_kernel(void* __restrict__ dst, int kind, int64_t count, float lo, float hi,
                                    uint64_t seed) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
@@ -38,6 +38,8 @@ __global__ void fill_random_kernel(void* __restrict__ dst, int kind, int64_t cou
     const float u = hash_uniform(seed, uint64_t(i));
     if (kind == 2)
       static_cast<uint8_t*>(dst)[i] = uint8_t(fminf(hi, lo + floorf(u * (hi - lo + 1))));
+    else if (kind == 3)
+      static_cast<__half*>(dst)[i] = __float2half_rn(lo + u * (hi - lo));
     else if (kind == 1)
       static_cast<__nv_bfloat16*>(dst)[i] = __float2bfloat16_rn(lo + u * (hi - lo));
     else

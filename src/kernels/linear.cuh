@@ -53,7 +53,7 @@ __global__ void linear_dense_warp_row_kernel(const void* __restrict__ w, const f
 }
 
 __global__ void linear_int4_warp_row_kernel(const uint8_t* __restrict__ codes,
-                                            const float* __restrict__ scales,
+                                            const __half* __restrict__ scales,
                                             const uint8_t* __restrict__ zeros,
                                             const float* __restrict__ bias, const float* __restrict__ x,
                                             float* __restrict__ y, int64_t m, int64_t n, int64_t k,
@@ -73,7 +73,7 @@ __global__ void linear_int4_warp_row_kernel(const uint8_t* __restrict__ codes,
         if (i >= k) break;
         const int64_t g = i / group_size;
         const float wv = float(int((packed >> (4 * half)) & 0xF) - int(zeros[row * n_groups + g])) *
-                         scales[row * n_groups + g];
+                         __half2float(scales[row * n_groups + g]);
 #pragma unroll
         for (int r = 0; r < kLinearMaxRows; ++r)
           if (m0 + r < m) acc[r] += wv * x[(m0 + r) * k + i];

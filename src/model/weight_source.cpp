@@ -68,7 +68,7 @@ class DummySource final : public WeightSource {
       // Random codes, zero point 8 and small positive scales: weights of magnitude ~0.01 whose
       // sums stay finite through 48 layers.
       w.int4.codes = static_cast<const uint8_t*>(fill(w, DType::U8, n * ((k + 1) / 2), 0, 255));
-      w.int4.scales = static_cast<const float*>(fill(w, DType::F32, n * w.int4.n_groups, 0.001f, 0.003f));
+      w.int4.scales = static_cast<const uint16_t*>(fill(w, DType::F16, n * w.int4.n_groups, 0.001f, 0.003f));
       w.int4.zeros = static_cast<const uint8_t*>(fill(w, DType::U8, n * w.int4.n_groups, 8, 8));
     } else {
       w.format = WeightFormat::kBF16;

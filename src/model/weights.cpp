@@ -33,6 +33,7 @@ void LinearWeight::row_f32(int64_t row, float* out) const {
       return;
     }
     case WeightFormat::kInt4:
+      NIBBLE_ASSERT(int4.layout == Int4Layout::kRowMajor);
       dequantize_int4_row(int4.codes, int4.scales, int4.zeros, k, int4.group_size, int4.n_groups,
                           row, out);
       return;
@@ -65,8 +66,8 @@ LinearWeight int4_weight(const std::string& name, Int4Matrix matrix) {
   w.n = owned->n;
   w.k = owned->k;
   w.format = WeightFormat::kInt4;
-  w.int4 = {owned->codes.data(), owned->scales.data(), owned->zeros.data(), owned->group_size,
-            owned->n_groups};
+  w.int4 = {Int4Layout::kRowMajor, owned->codes.data(), owned->scales.data(), owned->zeros.data(),
+            owned->group_size, owned->n_groups};
   w.storage.push_back(owned);
   return w;
 }

@@ -18,11 +18,15 @@ namespace nibble {
 enum class WeightFormat { kF32, kF16, kBF16, kInt4 };
 const char* weight_format_name(WeightFormat f);
 
-// INT4 in nibble's row-major layout (format/quant/int4_gptq.h): codes [n][(k+1)/2], f32 scales and
-// u8 zero points [n][n_groups].
+// INT4 weights: codes, f16 scales [n][n_groups] and u8 zero points [n][n_groups].
+// kRowMajor (format/quant/int4_gptq.h): codes [n][(k+1)/2], the layout of the CPU reference.
+// kWarpInterleaved (kernels/gemv.cuh): the CUDA decode layout, made at upload; zeros may be null
+// there, meaning symmetric (zero point 8).
+enum class Int4Layout : uint8_t { kRowMajor, kWarpInterleaved };
 struct Int4View {
+  Int4Layout layout = Int4Layout::kRowMajor;
   const uint8_t* codes = nullptr;
-  const float* scales = nullptr;
+  const uint16_t* scales = nullptr;
   const uint8_t* zeros = nullptr;
   int64_t group_size = 0, n_groups = 0;
 };

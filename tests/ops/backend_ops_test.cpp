@@ -71,7 +71,8 @@ class OpsTest : public ::testing::Test {
   }
 
   // A random weight of shape [n, k] in `format` (INT4: random codes, zeros and positive scales).
-  LinearWeight random_weight(WeightFormat format, int64_t n, int64_t k, int64_t group = 32, bool bias = false) {
+  LinearWeight random_weight(WeightFormat format, int64_t n, int64_t k, int64_t group = 32, bool bias = false,
+                             bool symmetric = false) {
     LinearWeight w;
     if (format == WeightFormat::kInt4) {
       Int4Matrix m;
@@ -84,9 +85,9 @@ class OpsTest : public ::testing::Test {
       m.codes.resize(size_t(n * m.row_bytes()));
       for (auto& c : m.codes) c = uint8_t(code(rng_));
       m.scales.resize(size_t(n * m.n_groups));
-      for (auto& s : m.scales) s = scale(rng_);
+      for (auto& s : m.scales) s = f32_to_f16(scale(rng_));
       m.zeros.resize(size_t(n * m.n_groups));
-      for (auto& z : m.zeros) z = uint8_t(zero(rng_));
+      for (auto& z : m.zeros) z = symmetric ? 8 : uint8_t(zero(rng_));
       w = int4_weight("w", std::move(m));
     } else {
       auto values = random(n * k, 0.1f);
@@ -127,14 +128,19 @@ TEST_F(OpsTest, Linear) {
     WeightFormat format;
     int64_t group;
     const char* name;
+    bool symmetric = false;
   };
+  // Shapes: not multiples of any tile (row-major INT4 / exact kernels), and the decode GEMV
+  // layouts: K a multiple of 1024 (whole 16-byte groups), 768 (a partial group of 3 chunks).
   for (Format f : {Format{WeightFormat::kF32, 0, "f32"}, Format{WeightFormat::kF16, 0, "f16"},
                    Format{WeightFormat::kBF16, 0, "bf16"}, Format{WeightFormat::kInt4, 32, "int4-g32"},
-                   Format{WeightFormat::kInt4, 128, "int4-g128"}, Format{WeightFormat::kInt4, -1, "int4-channel"}}) {
-    for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 96}, {200, 328}, {8, 2048}, {1000, 40}}) {
-      for (int64_t m : {1, 2, 5, 16, 33}) {
+                   Format{WeightFormat::kInt4, 128, "int4-g128"}, Format{WeightFormat::kInt4, 128, "int4-g128-sym", true},
+                   Format{WeightFormat::kInt4, -1, "int4-channel"}}) {
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 96}, {200, 328}, {8, 2048}, {1000, 40}, {4096, 2048},
+                        {2048, 768}, {9000, 256}}) {
+      for (int64_t m : {1, 2, 3, 5, 8, 16, 33}) {
         const bool bias = m == 5;
-        LinearWeight host = random_weight(f.format, n, k, f.group, bias);
+        LinearWeight host = random_weight(f.format, n, k, f.group, bias, f.symmetric);
         LinearWeight dev = gpu_->upload(host);
         auto x = random(m * k);
         std::vector<float> want(size_t(m * n));
@@ -206,7 +212,8 @@ TEST_F(OpsTest, Attention) {
     int64_t n_head, n_head_kv, head_dim;
   };
   for (Shape s : {Shape{4, 2, 40}, Shape{32, 4, 128}, Shape{5, 1, 24}, Shape{8, 8, 64}}) {
-    for (auto [m, pos0] : {std::pair<int64_t, int64_t>{1, 0}, {6, 0}, {1, 300}, {5, 17}, {33, 70}}) {
+    for (auto [m, pos0] : {std::pair<int64_t, int64_t>{1, 0}, {6, 0}, {1, 300}, {5, 17}, {33, 70}, {1, 3000},
+                           {8, 1000}}) {
       const int64_t ctx = pos0 + m, row = s.n_head_kv * s.head_dim;
       auto q = random(m * s.n_head * s.head_dim), k = random(ctx * row), v = random(ctx * row);
       const float scale = 1.f / std::sqrt(float(s.head_dim));
@@ -247,9 +254,11 @@ TEST_F(OpsTest, MoeRoute) {
 }
 
 TEST_F(OpsTest, MoeBlock) {
-  const int64_t H = 96, inter = 48, E = 16;
+  // 96/48: shapes only the exact kernels take; 512/256: the fused decode path (m <= 8, INT4).
+  for (auto [H, inter] : {std::pair<int64_t, int64_t>{96, 48}, {512, 256}})
   for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kInt4}) {
-    for (int64_t m : {1, 5, 40}) {
+    const int64_t E = 16;
+    for (int64_t m : {1, 3, 8, 40}) {
       for (bool skewed : {false, true}) {
         MoeWeights host, dev;
         host.top_k = dev.top_k = 4;
@@ -282,7 +291,7 @@ TEST_F(OpsTest, MoeBlock) {
         float* out = poisoned_gpu(m * H);
         gpu_->moe(dev, on_gpu(x), m, out);
         expect_close(to_host(out, m * H), want,
-                     fmt::format("moe {} m={}{}", weight_format_name(f), m, skewed ? " skewed" : ""));
+                     fmt::format("moe {} {}x{} m={}{}", weight_format_name(f), H, inter, m, skewed ? " skewed" : ""));
       }
     }
   }

@@ -69,6 +69,7 @@ class CpuBackend final : public Backend {
           static_cast<uint8_t*>(dst)[i] = uint8_t(std::min(hi, lo + std::floor(u * (hi - lo + 1))));
           break;
         case DType::BF16: static_cast<uint16_t*>(dst)[i] = f32_to_bf16(lo + u * (hi - lo)); break;
+        case DType::F16: static_cast<uint16_t*>(dst)[i] = f32_to_f16(lo + u * (hi - lo)); break;
         default: static_cast<float*>(dst)[i] = lo + u * (hi - lo); break;
       }
     }

@@ -8,9 +8,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <unordered_map>
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/int4_layout.h"
 #include "backend/cuda/launch.h"
 #include "core/status.h"
 
@@ -75,14 +77,36 @@ class CudaBackend final : public Backend {
     return kReps * 2.0 * double(bytes) / (double(ms) / 1e3);
   }
 
+  ~CudaBackend() override {
+    expert_tables_.clear();  // returns their buffers to the cache first
+    for (auto& [size, blocks] : free_blocks_)
+      for (void* p : blocks) cudaFree(p);
+  }
+
+  // A caching allocator: freed blocks are kept by size and handed out again, so the buffers of
+  // each decode step cost no cudaMalloc (and no cudaFree, which synchronises the device). Reuse is
+  // safe because all work runs in order on one stream.
   void* alloc(size_t bytes) override {
+    const size_t size = (std::max<size_t>(bytes, 1) + 511) / 512 * 512;
     void* p = nullptr;
-    const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
-    NIBBLE_CHECK(err == cudaSuccess, "out of GPU memory allocating {} bytes ({})", bytes,
-                 cudaGetErrorString(err));
+    auto& cached = free_blocks_[size];
+    if (!cached.empty()) {
+      p = cached.back();
+      cached.pop_back();
+    } else {
+      const cudaError_t err = cudaMalloc(&p, size);
+      NIBBLE_CHECK(err == cudaSuccess, "out of GPU memory allocating {} bytes ({})", bytes,
+                   cudaGetErrorString(err));
+    }
+    block_size_[p] = size;
     return p;
   }
-  void free(void* ptr) override { cudaFree(ptr); }
+  void free(void* ptr) override {
+    auto it = block_size_.find(ptr);
+    NIBBLE_ASSERT(it != block_size_.end());
+    free_blocks_[it->second].push_back(ptr);
+    block_size_.erase(it);
+  }
   void copy_to_backend(void* dst, const void* src, size_t bytes) override {
     CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
   }
@@ -93,10 +117,17 @@ class CudaBackend final : public Backend {
   LinearWeight upload(const LinearWeight& host) override {
     LinearWeight w = host;
     w.storage.clear();
-    if (host.format == WeightFormat::kInt4) {
+    if (host.format == WeightFormat::kInt4 && cuda::int4_interleavable(host.k, host.int4.group_size)) {
+      const int64_t groups = host.n * host.int4.n_groups;
+      cuda::Int4Interleaved il = cuda::interleave_int4(host.int4, host.n, host.k);
+      w.int4.layout = Int4Layout::kWarpInterleaved;
+      w.int4.codes = static_cast<const uint8_t*>(copy(il.codes.data(), il.codes.size(), w));
+      w.int4.scales = static_cast<const uint16_t*>(copy(host.int4.scales, size_t(groups) * 2, w));
+      w.int4.zeros = il.zeros.empty() ? nullptr : static_cast<const uint8_t*>(copy(il.zeros.data(), il.zeros.size(), w));
+    } else if (host.format == WeightFormat::kInt4) {
       const int64_t code_bytes = host.n * ((host.k + 1) / 2), groups = host.n * host.int4.n_groups;
       w.int4.codes = static_cast<const uint8_t*>(copy(host.int4.codes, size_t(code_bytes), w));
-      w.int4.scales = static_cast<const float*>(copy(host.int4.scales, size_t(groups) * 4, w));
+      w.int4.scales = static_cast<const uint16_t*>(copy(host.int4.scales, size_t(groups) * 2, w));
       w.int4.zeros = static_cast<const uint8_t*>(copy(host.int4.zeros, size_t(groups), w));
     } else {
       const size_t elem = host.format == WeightFormat::kF32 ? 4 : 2;
@@ -112,19 +143,37 @@ class CudaBackend final : public Backend {
   }
 
   void fill_random(void* dst, DType dtype, int64_t count, float lo, float hi, uint64_t seed) override {
-    NIBBLE_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::U8,
+    NIBBLE_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::U8 || dtype == DType::F16,
                  "fill_random: dtype {} is not supported", dtype_name(dtype));
-    cuda::fill_random(dst, dtype == DType::U8 ? 2 : dtype == DType::BF16 ? 1 : 0, count, lo, hi, seed);
+    const int kind = dtype == DType::U8 ? 2 : dtype == DType::BF16 ? 1 : dtype == DType::F16 ? 3 : 0;
+    cuda::fill_random(dst, kind, count, lo, hi, seed);
     CUDA_CHECK_LAUNCH("fill_random");
   }
 
+  // Decode-shaped layouts go to the GEMV kernels, 8 activation rows per launch (a prefill reads
+  // the weight once per 8 rows until the tensor-core GEMM lands); other shapes to the exact
+  // one-warp-per-row kernels.
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
-    if (w.format == WeightFormat::kInt4)
-      cuda::linear_int4(w.int4.codes, w.int4.scales, w.int4.zeros, w.bias, x, out, m, w.n, w.k,
-                        w.int4.group_size, w.int4.n_groups);
-    else
-      cuda::linear_dense(dense_type(w.format), w.dense, w.bias, x, out, m, w.n, w.k);
-    CUDA_CHECK_LAUNCH("linear");
+    const bool gemv = w.format == WeightFormat::kInt4
+                          ? w.int4.layout == Int4Layout::kWarpInterleaved
+                          : w.k % (32 * cuda::dense_per_vec(dense_type(w.format))) == 0;
+    if (!gemv) {
+      if (w.format == WeightFormat::kInt4)
+        cuda::linear_int4(w.int4.codes, w.int4.scales, w.int4.zeros, w.bias, x, out, m, w.n, w.k,
+                          w.int4.group_size, w.int4.n_groups);
+      else
+        cuda::linear_dense(dense_type(w.format), w.dense, w.bias, x, out, m, w.n, w.k);
+      CUDA_CHECK_LAUNCH("linear");
+      return;
+    }
+    for (int64_t m0 = 0; m0 < m; m0 += cuda::kGemvMaxM) {
+      const int64_t rows = std::min(cuda::kGemvMaxM, m - m0);
+      if (w.format == WeightFormat::kInt4)
+        cuda::gemv_int4(int4_device(w), w.bias, x + m0 * w.k, out + m0 * w.n, rows, w.n, w.k);
+      else
+        cuda::gemv_dense(dense_type(w.format), w.dense, w.bias, x + m0 * w.k, out + m0 * w.n, rows, w.n, w.k);
+      CUDA_CHECK_LAUNCH("gemv");
+    }
   }
 
   void embed(const LinearWeight& table, const int32_t* ids, int64_t m, float* out) override {
@@ -154,7 +203,13 @@ class CudaBackend final : public Backend {
                  int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out) override {
     NIBBLE_CHECK(head_dim <= cuda::kAttentionMaxHeadDim, "attention: head_dim {} exceeds {}",
                  head_dim, cuda::kAttentionMaxHeadDim);
-    cuda::attention(q, k_cache, v_cache, out, m, pos0, n_head, n_head_kv, head_dim, scale);
+    if (m <= cuda::kGemvMaxM) {  // decode: split the context across blocks
+      Buffer partial(*this, size_t(cuda::attention_split_floats(m, pos0, n_head, head_dim)) * 4);
+      cuda::attention_split(q, k_cache, v_cache, partial.data(), out, m, pos0, n_head, n_head_kv,
+                            head_dim, scale);
+    } else {
+      cuda::attention(q, k_cache, v_cache, out, m, pos0, n_head, n_head_kv, head_dim, scale);
+    }
     CUDA_CHECK_LAUNCH("attention");
   }
 
@@ -175,6 +230,16 @@ class CudaBackend final : public Backend {
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
     linear(w.router, x, m, logits.data());
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
+    if (const ExpertTables* tables = expert_tables(w); tables && m <= cuda::kGemvMaxM) {
+      // Decode: routing stays on the device; two launches cover every selected expert.
+      const int64_t inter = w.experts[0].gate.n;
+      Buffer act(*this, size_t(m * K * inter) * 4);
+      cuda::moe_decode_int4(tables->gate.data<cuda::Int4Device>(), tables->up.data<cuda::Int4Device>(),
+                            tables->down.data<cuda::Int4Device>(), ids.data<int32_t>(), weights.data(), x,
+                            act.data(), out, m, K, inter, H);
+      CUDA_CHECK_LAUNCH("moe_decode_int4");
+      return;
+    }
     std::vector<int32_t> host_ids(size_t(m * K));
     std::vector<float> host_weights(size_t(m * K));
     copy_to_host(host_ids.data(), ids.data(), host_ids.size() * 4);
@@ -215,6 +280,40 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  static cuda::Int4Device int4_device(const LinearWeight& w) {
+    return {w.int4.codes, w.int4.scales, w.int4.zeros, w.int4.group_size, w.int4.n_groups};
+  }
+
+  // Device arrays of the experts' matrices for the fused decode kernels, built on first use;
+  // null when the experts are not all interleaved INT4 of one shape.
+  struct ExpertTables {
+    Buffer gate, up, down;
+  };
+  const ExpertTables* expert_tables(const MoeWeights& w) {
+    auto it = expert_tables_.find(w.experts.data());
+    if (it != expert_tables_.end()) return it->second.get();
+    std::vector<cuda::Int4Device> gate, up, down;
+    for (const MlpWeights& e : w.experts) {
+      for (const LinearWeight* l : {&e.gate, &e.up, &e.down})
+        if (l->format != WeightFormat::kInt4 || l->int4.layout != Int4Layout::kWarpInterleaved ||
+            l->n != (l == &e.down ? w.router.k : w.experts[0].gate.n))
+          return expert_tables_.emplace(w.experts.data(), nullptr).first->second.get();
+      gate.push_back(int4_device(e.gate));
+      up.push_back(int4_device(e.up));
+      down.push_back(int4_device(e.down));
+    }
+    auto tables = std::make_unique<ExpertTables>();
+    auto to_device = [&](const std::vector<cuda::Int4Device>& v) {
+      Buffer b(*this, v.size() * sizeof(cuda::Int4Device));
+      copy_to_backend(b.data(), v.data(), v.size() * sizeof(cuda::Int4Device));
+      return b;
+    };
+    tables->gate = to_device(gate);
+    tables->up = to_device(up);
+    tables->down = to_device(down);
+    return expert_tables_.emplace(w.experts.data(), std::move(tables)).first->second.get();
+  }
+
   // Copies host memory into a new device buffer owned by `w`.
   const void* copy(const void* src, size_t bytes, LinearWeight& w) {
     auto buf = std::make_shared<Buffer>(*this, bytes);
@@ -222,6 +321,11 @@ class CudaBackend final : public Backend {
     w.storage.push_back(buf);
     return buf->data();
   }
+
+  std::unordered_map<size_t, std::vector<void*>> free_blocks_;
+  std::unordered_map<void*, size_t> block_size_;
+  // Keyed by the experts' storage, which lives as long as the model.
+  std::unordered_map<const MlpWeights*, std::unique_ptr<ExpertTables>> expert_tables_;
 };
 
 }  // namespace

@@ -8,16 +8,43 @@
 namespace nibble::cuda {
 
 enum class Dense { kF32, kF16, kBF16 };
+
+// An INT4 matrix in the warp-interleaved layout (kernels/gemv.cuh); scales are f16.
+struct Int4Device {
+  const uint8_t* codes;
+  const uint16_t* scales;
+  const uint8_t* zeros;  // null: symmetric
+  int64_t group_size, n_groups;
+};
+constexpr int64_t kGemvMaxM = 8;
+// Elements per 16-byte vector of a dense type: gemv_dense needs k % (32 * this) == 0.
+constexpr int64_t dense_per_vec(Dense t) { return t == Dense::kF32 ? 4 : 8; }
 constexpr int64_t kAttentionMaxHeadDim = 256;
 constexpr int64_t kMoeMaxTopK = 32;
 
-// kind: 0 = f32, 1 = bf16, 2 = u8 (see Backend::fill_random).
+// kind: 0 = f32, 1 = bf16, 2 = u8, 3 = f16 (see Backend::fill_random).
 void fill_random(void* dst, int kind, int64_t count, float lo, float hi, uint64_t seed);
 void linear_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
                   int64_t n, int64_t k);
-void linear_int4(const uint8_t* codes, const float* scales, const uint8_t* zeros, const float* bias,
+void linear_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, const float* bias,
                  const float* x, float* y, int64_t m, int64_t n, int64_t k, int64_t group_size,
                  int64_t n_groups);
+// Decode GEMV (m <= kGemvMaxM activation rows).
+void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
+               int64_t k);
+void gemv_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
+                int64_t n, int64_t k);
+// MoE decode for m <= kGemvMaxM tokens with device-side routing (ids/weights [m, top_k]): the
+// tables hold each expert's gate/up/down matrix (device arrays of Int4Device, n_experts long);
+// act is scratch [m * top_k, inter].
+void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down,
+                     const int32_t* ids, const float* weights, const float* x, float* act, float* out,
+                     int64_t m, int64_t top_k, int64_t inter, int64_t hidden);
+// Split-K attention; partial is scratch of attention_split_floats(...) floats.
+int64_t attention_split_floats(int64_t m, int64_t pos0, int64_t n_head, int64_t head_dim);
+void attention_split(const float* q, const float* k, const float* v, float* partial, float* out,
+                     int64_t m, int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
+                     float scale);
 void embed(Dense type, const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out);
 void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, float eps);
 void rope_neox(float* x, const float* inv_freq, float attention_factor, int64_t m, int64_t n_head,

@@ -4,6 +4,7 @@
 #include "backend/cuda/launch.h"
 #include "kernels/attention.cuh"
 #include "kernels/elementwise.cuh"
+#include "kernels/gemv.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/norm.cuh"
@@ -40,6 +41,40 @@ struct Embed {
   }
 };
 
+static_assert(sizeof(Int4Device) == sizeof(kernels::Int4Gemv));
+
+kernels::Int4Gemv to_kernel(const Int4Device& w) {
+  return {w.codes, reinterpret_cast<const __half*>(w.scales), w.zeros, w.group_size, w.n_groups};
+}
+
+constexpr int kGemvWarps = 4;
+
+// Rows per warp: more rows share the x registers, fewer rows keep more warps in flight; wide
+// matrices have warps to spare.
+template <typename Launch>
+void gemv_dispatch(int64_t m, int64_t n, Launch&& launch) {
+  auto grid = [&](int rows) { return blocks_for((n + rows - 1) / rows, kGemvWarps); };
+  if (m == 1 && n >= 8192)
+    launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{}, grid(4));
+  else if (m == 1)
+    launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, grid(1));
+  else if (m == 2)
+    launch(std::integral_constant<int, 2>{}, std::integral_constant<int, 1>{}, grid(1));
+  else if (m <= 4)
+    launch(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{}, grid(1));
+  else
+    launch(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{}, grid(1));
+}
+
+template <kernels::DenseType T>
+struct GemvDense {
+  static void run(const void* w, const float* bias, const float* x, float* y, int64_t m, int64_t n, int64_t k) {
+    gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
+      kernels::gemv_dense_kernel<T, M.value, R.value><<<grid, 32 * kGemvWarps>>>(w, bias, x, y, int(m), n, k);
+    });
+  }
+};
+
 }  // namespace
 
 void fill_random(void* dst, int kind, int64_t count, float lo, float hi, uint64_t seed) {
@@ -52,11 +87,52 @@ void linear_dense(Dense type, const void* w, const float* bias, const float* x, 
   dispatch_dense<LinearDense>(type, w, bias, x, y, m, n, k);
 }
 
-void linear_int4(const uint8_t* codes, const float* scales, const uint8_t* zeros, const float* bias,
+void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
+               int64_t k) {
+  const kernels::Int4Gemv kw = to_kernel(w);
+  gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
+    kernels::gemv_int4_kernel<M.value, R.value><<<grid, 32 * kGemvWarps>>>(kw, bias, x, y, int(m), n, k);
+  });
+}
+
+void gemv_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
+                int64_t n, int64_t k) {
+  dispatch_dense<GemvDense>(type, w, bias, x, y, m, n, k);
+}
+
+void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down,
+                     const int32_t* ids, const float* weights, const float* x, float* act, float* out,
+                     int64_t m, int64_t top_k, int64_t inter, int64_t hidden) {
+  constexpr int kRows = 2;
+  const auto* g = reinterpret_cast<const kernels::Int4Gemv*>(gate);
+  const auto* u = reinterpret_cast<const kernels::Int4Gemv*>(up);
+  const auto* d = reinterpret_cast<const kernels::Int4Gemv*>(down);
+  const dim3 grid1(blocks_for((inter + kRows - 1) / kRows, kGemvWarps), unsigned(m * top_k));
+  kernels::moe_gate_up_int4_kernel<kRows><<<grid1, 32 * kGemvWarps>>>(g, u, ids, x, act, top_k, inter, hidden);
+  const dim3 grid2(blocks_for((hidden + kRows - 1) / kRows, kGemvWarps), unsigned(m));
+  kernels::moe_down_int4_kernel<kRows><<<grid2, 32 * kGemvWarps>>>(d, ids, weights, act, out, top_k, inter, hidden);
+}
+
+int64_t attention_split_floats(int64_t m, int64_t pos0, int64_t n_head, int64_t head_dim) {
+  const int64_t n_splits = (pos0 + m + kernels::kAttentionSplit - 1) / kernels::kAttentionSplit;
+  return m * n_head * n_splits * (head_dim + 2);
+}
+
+void attention_split(const float* q, const float* k, const float* v, float* partial, float* out,
+                     int64_t m, int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
+                     float scale) {
+  const int64_t n_splits = (pos0 + m + kernels::kAttentionSplit - 1) / kernels::kAttentionSplit;
+  const dim3 grid(unsigned(m * n_head), unsigned(n_splits));
+  kernels::attention_split_kernel<<<grid, 32 * kernels::kAttentionSplitWarps>>>(
+      q, k, v, partial, pos0, n_head, n_head_kv, head_dim, scale, n_splits);
+  kernels::attention_merge_kernel<<<unsigned(m * n_head), 128>>>(partial, out, m * n_head, head_dim, n_splits);
+}
+
+void linear_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, const float* bias,
                  const float* x, float* y, int64_t m, int64_t n, int64_t k, int64_t group_size,
                  int64_t n_groups) {
   kernels::linear_int4_warp_row_kernel<<<blocks_for(n, kLinearWarps), 32 * kLinearWarps>>>(
-      codes, scales, zeros, bias, x, y, m, n, k, group_size, n_groups);
+      codes, reinterpret_cast<const __half*>(scales), zeros, bias, x, y, m, n, k, group_size, n_groups);
 }
 
 void embed(Dense type, const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out) {

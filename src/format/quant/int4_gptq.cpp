@@ -9,15 +9,15 @@
 
 namespace nibble {
 
-void dequantize_int4_row(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t k,
+void dequantize_int4_row(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t k,
                          int64_t group_size, int64_t n_groups, int64_t row, float* out) {
   const uint8_t* c = codes + row * ((k + 1) / 2);
-  const float* s = scales + row * n_groups;
+  const uint16_t* s = scales + row * n_groups;
   const uint8_t* z = zeros + row * n_groups;
   for (int64_t i = 0; i < k; ++i) {
     const int code = (c[i / 2] >> ((i & 1) * 4)) & 0xF;
     const int64_t g = i / group_size;
-    out[i] = float(code - int(z[g])) * s[g];
+    out[i] = float(code - int(z[g])) * f16_to_f32(s[g]);
   }
 }
 
@@ -84,9 +84,9 @@ Int4Matrix int4_from_gptq(const GptqTensorSet& t, int64_t n, int64_t k, int grou
   for (int64_t g = 0; g < m.n_groups; ++g) {
     for (int64_t col = 0; col < n; ++col) {
       const uint8_t* p = t.scales->data + (g * n + col) * dtype_size_bytes(t.scales->dtype);
-      float s = t.scales->dtype == DType::F16    ? f16_to_f32(load_le<uint16_t>(p))
-                : t.scales->dtype == DType::BF16 ? bf16_to_f32(load_le<uint16_t>(p))
-                                                 : load_le<float>(p);
+      uint16_t s = t.scales->dtype == DType::F16    ? load_le<uint16_t>(p)
+                   : t.scales->dtype == DType::BF16 ? f32_to_f16(bf16_to_f32(load_le<uint16_t>(p)))
+                                                    : f32_to_f16(load_le<float>(p));
       m.scales[col * m.n_groups + g] = s;
       uint32_t word = load_le<uint32_t>(t.qzeros->data + 4 * (g * (n / 8) + col / 8));
       uint32_t stored = (word >> (4 * (col % 8))) & 0xF;

@@ -19,14 +19,15 @@
 
 namespace nibble {
 
-// Row `row` of a row-major INT4 matrix as f32: out[i] = (code - zero[g]) * scale[g], g = i / group.
-void dequantize_int4_row(const uint8_t* codes, const float* scales, const uint8_t* zeros, int64_t k,
+// Row `row` of a row-major INT4 matrix as f32: out[i] = (code - zero[g]) * scale[g], g = i / group,
+// with scales as f16 bits (what GPTQ checkpoints store, so they are kept exactly).
+void dequantize_int4_row(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t k,
                          int64_t group_size, int64_t n_groups, int64_t row, float* out);
 
 struct Int4Matrix {
   int64_t n = 0, k = 0, group_size = 0, n_groups = 0;
   std::vector<uint8_t> codes;  // [n][(k+1)/2]: input 2i in the low nibble, 2i+1 in the high one
-  std::vector<float> scales;   // [n][n_groups]
+  std::vector<uint16_t> scales;  // f16 [n][n_groups] (BF16/F32 checkpoint scales are rounded)
   std::vector<uint8_t> zeros;  // [n][n_groups]: the true zero point, 0..15
 
   int64_t row_bytes() const { return (k + 1) / 2; }

@@ -1,0 +1,242 @@
+// Small-M matrix-vector products for decode (M = 1..8 activation rows), memory-bound: every
+// weight byte is read once with 16-byte loads, coalesced across the warp, and several loads are in
+// flight per warp. One warp computes R output rows; the activation values a lane needs are loaded
+// once per K-chunk into registers and reused for all R rows, so L1 traffic for x stays below the
+// weight traffic.
+//
+// INT4 "warp-interleaved" layout (made at load by backend/cuda/int4_layout.cpp), per output row:
+//   K is cut into chunks of 256. Word (chunk c, lane l) holds 8 codes, nibble j = code of input
+//   k = 256c + l + 32j. Chunks are stored in groups of 4 as [lane][4 words] (one uint4 per lane,
+//   512 contiguous bytes per warp), a last partial group of r < 4 chunks as [lane][r words].
+//   So lane l always multiplies x[256c + l + 32j]: consecutive lanes read consecutive x.
+//   Scales: f16 [n][K/G]; zeros: u8 [n][K/G], or none (symmetric: zero point 8). With G a multiple
+//   of 32, all 8 codes of a word at position j share group (256c + 32j) / G for every lane.
+// Dense rows (f32/f16/bf16) are read as 16-byte vectors of 16/sizeof(T) elements, lane-strided.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernels/linear.cuh"
+
+namespace nibble::kernels {
+
+constexpr int kGemvMaxM = 8;
+
+// The interleaved INT4 matrix of one Linear (or one expert's).
+struct Int4Gemv {
+  const uint8_t* codes;
+  const __half* scales;
+  const uint8_t* zeros;  // null: symmetric, zero point 8
+  int64_t group_size, n_groups;
+};
+
+// Dequantised dot products of 8 codes (one word, position `word_pos` of chunk c) with x held in
+// registers xv[j] = x[256c + lane + 32j], added into acc.
+__device__ __forceinline__ void dot_word(uint32_t word, const float* xv, float scale_by_j[8],
+                                         float zero_by_j[8], float& acc) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    // 0x4B000000 | q is the float 2^23 + q: the nibble becomes a float without a conversion.
+    const float q = __int_as_float(0x4B000000 | ((word >> (4 * j)) & 0xF)) - 8388608.f;
+    acc = fmaf((q - zero_by_j[j]) * scale_by_j[j], xv[j], acc);
+  }
+}
+
+// acc[r][mi] += W[row0 + r] · x[mi] over all of K, for the interleaved INT4 layout. The R rows'
+// weight words are loaded first (4R independent 16-byte loads in flight), then each word position's
+// x values once for all rows.
+template <int M, int R>
+__device__ __forceinline__ void int4_rows_dot(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k,
+                                              const float* __restrict__ x, int64_t x_stride, int m,
+                                              float (&acc)[R][M]) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row_bytes = k / 2, chunks = k / 256;
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+    const int words = chunks - c0 >= 4 ? 4 : int(chunks - c0);
+    uint32_t wd[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = row0 + r < n ? row0 + r : row0;  // rows past n: load a valid row, unused
+      const uint8_t* base = w.codes + row * row_bytes + c0 * 128;
+      if (words == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(base + 16 * lane);
+        wd[r][0] = v.x, wd[r][1] = v.y, wd[r][2] = v.z, wd[r][3] = v.w;
+      } else {
+#pragma unroll
+        for (int wi = 0; wi < 4; ++wi)
+          wd[r][wi] = wi < words ? reinterpret_cast<const uint32_t*>(base)[lane * words + wi] : 0u;
+      }
+    }
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi) {
+      if (wi >= words) break;
+      const int64_t kc = 256 * (c0 + wi);
+      float xv[M][8];
+#pragma unroll
+      for (int mi = 0; mi < M; ++mi)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xv[mi][j] = mi < m ? x[mi * x_stride + kc + lane + 32 * j] : 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = row0 + r < n ? row0 + r : row0;
+        float scale_by_j[8], zero_by_j[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int64_t g = (kc + 32 * j) / w.group_size;
+          scale_by_j[j] = __half2float(w.scales[row * w.n_groups + g]);
+          zero_by_j[j] = w.zeros ? float(w.zeros[row * w.n_groups + g]) : 8.f;
+        }
+#pragma unroll
+        for (int mi = 0; mi < M; ++mi) dot_word(wd[r][wi], xv[mi], scale_by_j, zero_by_j, acc[r][mi]);
+      }
+    }
+  }
+}
+
+template <DenseType T>
+struct DenseVec;
+template <>
+struct DenseVec<DenseType::kF32> {
+  static constexpr int kPerVec = 4;
+  __device__ static void load(const void* p, float* out) {
+    const float4 v = *static_cast<const float4*>(p);
+    out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+  }
+};
+template <>
+struct DenseVec<DenseType::kF16> {
+  static constexpr int kPerVec = 8;
+  __device__ static void load(const void* p, float* out) {
+    const uint4 v = *static_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(h[i]);
+      out[2 * i] = f.x, out[2 * i + 1] = f.y;
+    }
+  }
+};
+template <>
+struct DenseVec<DenseType::kBF16> {
+  static constexpr int kPerVec = 8;
+  __device__ static void load(const void* p, float* out) {
+    const uint4 v = *static_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      out[2 * i] = f.x, out[2 * i + 1] = f.y;
+    }
+  }
+};
+
+// acc[r][mi] += W[row0 + r] · x[mi] for dense rows; needs k % (32 · kPerVec) == 0.
+template <DenseType T, int M, int R>
+__device__ __forceinline__ void dense_rows_dot(const void* w, int64_t row0, int64_t n, int64_t k,
+                                               const float* __restrict__ x, int64_t x_stride, int m,
+                                               float (&acc)[R][M]) {
+  constexpr int V = DenseVec<T>::kPerVec;
+  constexpr int64_t elem = T == DenseType::kF32 ? 4 : 2;
+  const int lane = threadIdx.x % 32;
+  for (int64_t k0 = V * lane; k0 < k; k0 += 32 * V) {
+    float xv[M][V];
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi)
+#pragma unroll
+      for (int i = 0; i < V; ++i) xv[mi][i] = mi < m ? x[mi * x_stride + k0 + i] : 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r >= n) break;
+      float wv[V];
+      DenseVec<T>::load(static_cast<const char*>(w) + ((row0 + r) * k + k0) * elem, wv);
+#pragma unroll
+      for (int mi = 0; mi < M; ++mi)
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[r][mi] = fmaf(wv[i], xv[mi][i], acc[r][mi]);
+    }
+  }
+}
+
+template <int M, int R>
+__device__ __forceinline__ void store_rows(float (&acc)[R][M], int64_t row0, int64_t n, int m,
+                                           const float* __restrict__ bias, float* __restrict__ y,
+                                           int64_t y_stride) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi) {
+      const float s = warp_sum(acc[r][mi]);
+      if (threadIdx.x % 32 == 0 && row0 + r < n && mi < m)
+        y[mi * y_stride + row0 + r] = s + (bias ? bias[row0 + r] : 0.f);
+    }
+}
+
+// y[m, n] = x[m, k] · Wᵀ (+ b) for m <= M activation rows.
+template <int M, int R>
+__global__ void gemv_int4_kernel(Int4Gemv w, const float* __restrict__ bias, const float* __restrict__ x,
+                                 float* __restrict__ y, int m, int64_t n, int64_t k) {
+  const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
+  if (row0 >= n) return;
+  float acc[R][M] = {};
+  int4_rows_dot<M, R>(w, row0, n, k, x, k, m, acc);
+  store_rows<M, R>(acc, row0, n, m, bias, y, n);
+}
+
+template <DenseType T, int M, int R>
+__global__ void gemv_dense_kernel(const void* __restrict__ w, const float* __restrict__ bias,
+                                  const float* __restrict__ x, float* __restrict__ y, int m, int64_t n,
+                                  int64_t k) {
+  const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
+  if (row0 >= n) return;
+  float acc[R][M] = {};
+  dense_rows_dot<T, M, R>(w, row0, n, k, x, k, m, acc);
+  store_rows<M, R>(acc, row0, n, m, bias, y, n);
+}
+
+// MoE decode, stage 1: for token t and slot s (expert e = ids[t, s]), act[t, s, :] =
+// silu(gate_e · x_t) * (up_e · x_t). A warp computes R rows of gate and the same R rows of up.
+template <int R>
+__global__ void moe_gate_up_int4_kernel(const Int4Gemv* __restrict__ gate, const Int4Gemv* __restrict__ up,
+                                        const int32_t* __restrict__ ids, const float* __restrict__ x,
+                                        float* __restrict__ act, int64_t top_k, int64_t inter, int64_t hidden) {
+  const int64_t slot = blockIdx.y;  // t * top_k + s
+  const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
+  if (row0 >= inter) return;
+  const int32_t e = ids[slot];
+  const float* xt = x + (slot / top_k) * hidden;
+  float g[R][1] = {}, u[R][1] = {};
+  int4_rows_dot<1, R>(gate[e], row0, inter, hidden, xt, hidden, 1, g);
+  int4_rows_dot<1, R>(up[e], row0, inter, hidden, xt, hidden, 1, u);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float gs = warp_sum(g[r][0]), us = warp_sum(u[r][0]);
+    if (threadIdx.x % 32 == 0 && row0 + r < inter) act[slot * inter + row0 + r] = gs / (1.f + expf(-gs)) * us;
+  }
+}
+
+// MoE decode, stage 2: out[t, :] = Σ_s weight[t, s] · (down_e · act[t, s]), every slot of a token
+// summed by the one warp that owns the output rows: no atomics, deterministic.
+template <int R>
+__global__ void moe_down_int4_kernel(const Int4Gemv* __restrict__ down, const int32_t* __restrict__ ids,
+                                     const float* __restrict__ weights, const float* __restrict__ act,
+                                     float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden) {
+  const int64_t t = blockIdx.y;
+  const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
+  if (row0 >= hidden) return;
+  float total[R] = {};
+  for (int64_t s = 0; s < top_k; ++s) {
+    const int64_t slot = t * top_k + s;
+    float acc[R][1] = {};
+    int4_rows_dot<1, R>(down[ids[slot]], row0, hidden, inter, act + slot * inter, inter, 1, acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r) total[r] += weights[slot] * warp_sum(acc[r][0]);
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (threadIdx.x % 32 == 0 && row0 + r < hidden) out[t * hidden + row0 + r] = total[r];
+}
+
+}  // namespace nibble::kernels
