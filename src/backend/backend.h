@@ -38,6 +38,9 @@ class Backend {
   // Weights as this backend computes with them (the CPU keeps the host views as they are).
   virtual LinearWeight upload(const LinearWeight& host) = 0;
   virtual WeightVector upload(const WeightVector& host) = 0;
+  // The same for a weight already in this backend's memory in the CPU layout (dummy weights made
+  // on the device): converted in place to the layout this backend computes with.
+  virtual LinearWeight prepare(const LinearWeight& w) = 0;
 
   // Fills dst[count] (F32, F16, BF16 or U8) with values uniform in [lo, hi] (U8: integers lo..hi) from
   // a counter-based hash of (seed, index): every backend produces the same values.

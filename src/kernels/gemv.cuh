@@ -239,4 +239,22 @@ __global__ void moe_down_int4_kernel(const Int4Gemv* __restrict__ down, const in
     if (threadIdx.x % 32 == 0 && row0 + r < hidden) out[t * hidden + row0 + r] = total[r];
 }
 
+// Row-major INT4 codes [n][k/2] -> the interleaved layout above; one thread per output word.
+__global__ void int4_interleave_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
+                                       int64_t n, int64_t k) {
+  const int64_t chunks = k / 256, words_per_row = k / 8;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= n * words_per_row) return;
+  const int64_t row = idx / words_per_row, c = idx % words_per_row / 32, lane = idx % 32;
+  const uint8_t* s = src + row * (k / 2);
+  uint32_t word = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int64_t i = 256 * c + lane + 32 * j;
+    word |= uint32_t((s[i / 2] >> ((i & 1) * 4)) & 0xF) << (4 * j);
+  }
+  const int64_t c0 = c / 4 * 4, words = chunks - c0 < 4 ? chunks - c0 : 4;
+  reinterpret_cast<uint32_t*>(dst + row * (k / 2) + c0 * 128)[lane * words + (c - c0)] = word;
+}
+
 }  // namespace nibble::kernels

@@ -72,7 +72,8 @@ __global__ void linear_int4_warp_row_kernel(const uint8_t* __restrict__ codes,
         const int64_t i = 2 * byte + half;
         if (i >= k) break;
         const int64_t g = i / group_size;
-        const float wv = float(int((packed >> (4 * half)) & 0xF) - int(zeros[row * n_groups + g])) *
+        const int zero = zeros ? int(zeros[row * n_groups + g]) : 8;
+        const float wv = float(int((packed >> (4 * half)) & 0xF) - zero) *
                          __half2float(scales[row * n_groups + g]);
 #pragma unroll
         for (int r = 0; r < kLinearMaxRows; ++r)

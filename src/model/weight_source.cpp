@@ -65,11 +65,13 @@ class DummySource final : public WeightSource {
       w.format = WeightFormat::kInt4;
       w.int4.group_size = o_.group_size > 0 ? o_.group_size : k;
       w.int4.n_groups = (k + w.int4.group_size - 1) / w.int4.group_size;
-      // Random codes, zero point 8 and small positive scales: weights of magnitude ~0.01 whose
-      // sums stay finite through 48 layers.
+      // Random codes, symmetric (zero point 8) and small positive scales: weights of magnitude
+      // ~0.01 whose sums stay finite through 48 layers, as GPTQ/AutoRound sym checkpoints.
       w.int4.codes = static_cast<const uint8_t*>(fill(w, DType::U8, n * ((k + 1) / 2), 0, 255));
       w.int4.scales = static_cast<const uint16_t*>(fill(w, DType::F16, n * w.int4.n_groups, 0.001f, 0.003f));
-      w.int4.zeros = static_cast<const uint8_t*>(fill(w, DType::U8, n * w.int4.n_groups, 8, 8));
+      w.int4.zeros = nullptr;
+      if (has_bias) w.bias = static_cast<const float*>(fill(w, DType::F32, n, -0.1f, 0.1f));
+      return backend_.prepare(w);
     } else {
       w.format = WeightFormat::kBF16;
       const float bound = 1.f / std::sqrt(float(k));

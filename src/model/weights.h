@@ -20,8 +20,8 @@ const char* weight_format_name(WeightFormat f);
 
 // INT4 weights: codes, f16 scales [n][n_groups] and u8 zero points [n][n_groups].
 // kRowMajor (format/quant/int4_gptq.h): codes [n][(k+1)/2], the layout of the CPU reference.
-// kWarpInterleaved (kernels/gemv.cuh): the CUDA decode layout, made at upload; zeros may be null
-// there, meaning symmetric (zero point 8).
+// kWarpInterleaved (kernels/gemv.cuh): the CUDA decode layout, made at upload.
+// zeros == null means symmetric: every zero point is 8.
 enum class Int4Layout : uint8_t { kRowMajor, kWarpInterleaved };
 struct Int4View {
   Int4Layout layout = Int4Layout::kRowMajor;

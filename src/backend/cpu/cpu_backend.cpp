@@ -59,6 +59,7 @@ class CpuBackend final : public Backend {
   void copy_to_host(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
   LinearWeight upload(const LinearWeight& host) override { return host; }
   WeightVector upload(const WeightVector& host) override { return host; }
+  LinearWeight prepare(const LinearWeight& w) override { return w; }
 
   void fill_random(void* dst, DType dtype, int64_t count, float lo, float hi, uint64_t seed) override {
 #pragma omp parallel for schedule(static) if (count >= (1 << 20))

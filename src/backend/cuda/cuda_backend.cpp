@@ -128,7 +128,7 @@ class CudaBackend final : public Backend {
       const int64_t code_bytes = host.n * ((host.k + 1) / 2), groups = host.n * host.int4.n_groups;
       w.int4.codes = static_cast<const uint8_t*>(copy(host.int4.codes, size_t(code_bytes), w));
       w.int4.scales = static_cast<const uint16_t*>(copy(host.int4.scales, size_t(groups) * 2, w));
-      w.int4.zeros = static_cast<const uint8_t*>(copy(host.int4.zeros, size_t(groups), w));
+      w.int4.zeros = host.int4.zeros ? static_cast<const uint8_t*>(copy(host.int4.zeros, size_t(groups), w)) : nullptr;
     } else {
       const size_t elem = host.format == WeightFormat::kF32 ? 4 : 2;
       w.dense = copy(host.dense, size_t(host.n * host.k) * elem, w);
@@ -153,6 +153,21 @@ class CudaBackend final : public Backend {
   // Decode-shaped layouts go to the GEMV kernels, 8 activation rows per launch (a prefill reads
   // the weight once per 8 rows until the tensor-core GEMM lands); other shapes to the exact
   // one-warp-per-row kernels.
+  LinearWeight prepare(const LinearWeight& w) override {
+    if (w.format != WeightFormat::kInt4 || w.int4.layout != Int4Layout::kRowMajor ||
+        !cuda::int4_interleavable(w.k, w.int4.group_size))
+      return w;
+    // Interleave through a temporary and copy back: the codes keep their buffer (and owner).
+    const size_t bytes = size_t(w.n * w.k / 2);
+    Buffer interleaved(*this, bytes);
+    cuda::int4_interleave(w.int4.codes, interleaved.data<uint8_t>(), w.n, w.k);
+    CUDA_CHECK_LAUNCH("int4_interleave");
+    CUDA_CHECK(cudaMemcpy(const_cast<uint8_t*>(w.int4.codes), interleaved.data(), bytes, cudaMemcpyDeviceToDevice));
+    LinearWeight out = w;
+    out.int4.layout = Int4Layout::kWarpInterleaved;
+    return out;
+  }
+
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
     const bool gemv = w.format == WeightFormat::kInt4
                           ? w.int4.layout == Int4Layout::kWarpInterleaved

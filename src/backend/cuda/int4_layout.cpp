@@ -28,7 +28,8 @@ Int4Interleaved interleave_int4(const Int4View& v, int64_t n, int64_t k) {
     }
   }
   const int64_t groups = n * v.n_groups;
-  const bool symmetric = std::all_of(v.zeros, v.zeros + groups, [](uint8_t z) { return z == 8; });
+  const bool symmetric =
+      !v.zeros || std::all_of(v.zeros, v.zeros + groups, [](uint8_t z) { return z == 8; });
   if (!symmetric) out.zeros.assign(v.zeros, v.zeros + groups);
   return out;
 }

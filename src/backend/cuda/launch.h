@@ -29,6 +29,8 @@ void linear_dense(Dense type, const void* w, const float* bias, const float* x, 
 void linear_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, const float* bias,
                  const float* x, float* y, int64_t m, int64_t n, int64_t k, int64_t group_size,
                  int64_t n_groups);
+// Row-major INT4 codes [n][k/2] -> the warp-interleaved layout (k % 256 == 0), device to device.
+void int4_interleave(const uint8_t* src, uint8_t* dst, int64_t n, int64_t k);
 // Decode GEMV (m <= kGemvMaxM activation rows).
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k);

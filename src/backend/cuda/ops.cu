@@ -87,6 +87,10 @@ void linear_dense(Dense type, const void* w, const float* bias, const float* x, 
   dispatch_dense<LinearDense>(type, w, bias, x, y, m, n, k);
 }
 
+void int4_interleave(const uint8_t* src, uint8_t* dst, int64_t n, int64_t k) {
+  kernels::int4_interleave_kernel<<<blocks_for(n * k / 8, 256), 256>>>(src, dst, n, k);
+}
+
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k) {
   const kernels::Int4Gemv kw = to_kernel(w);

@@ -13,11 +13,11 @@ void dequantize_int4_row(const uint8_t* codes, const uint16_t* scales, const uin
                          int64_t group_size, int64_t n_groups, int64_t row, float* out) {
   const uint8_t* c = codes + row * ((k + 1) / 2);
   const uint16_t* s = scales + row * n_groups;
-  const uint8_t* z = zeros + row * n_groups;
+  const uint8_t* z = zeros ? zeros + row * n_groups : nullptr;
   for (int64_t i = 0; i < k; ++i) {
     const int code = (c[i / 2] >> ((i & 1) * 4)) & 0xF;
     const int64_t g = i / group_size;
-    out[i] = float(code - int(z[g])) * f16_to_f32(s[g]);
+    out[i] = float(code - (z ? int(z[g]) : 8)) * f16_to_f32(s[g]);
   }
 }
 

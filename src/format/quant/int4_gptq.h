@@ -20,7 +20,8 @@
 namespace nibble {
 
 // Row `row` of a row-major INT4 matrix as f32: out[i] = (code - zero[g]) * scale[g], g = i / group,
-// with scales as f16 bits (what GPTQ checkpoints store, so they are kept exactly).
+// with scales as f16 bits (what GPTQ checkpoints store, so they are kept exactly); zeros may be
+// null (symmetric: zero point 8).
 void dequantize_int4_row(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, int64_t k,
                          int64_t group_size, int64_t n_groups, int64_t row, float* out);
 
