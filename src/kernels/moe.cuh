@@ -1,6 +1,6 @@
-// MoE routing and the row movement around per-expert GEMMs. route: one thread per token computes
-// the softmax over n_experts logits and selects top-k by repeated arg-max (lower id wins ties, as
-// the CPU reference does). gather/scatter move token rows to and from an expert's contiguous batch;
+// MoE routing and the row movement around per-expert GEMMs. route: one warp per token; lanes hold
+// n_experts/32 logits each, the softmax and each of the top-k arg-max rounds are warp reductions
+// (lower id wins ties, as the CPU reference does). gather/scatter move token rows to and from an expert's contiguous batch;
 // scatter_add_weighted accumulates `weight · row` into the token's output row. A token's top-k
 // experts are distinct, and one launch handles one expert, so no two threads add to one element.
 #pragma once
@@ -11,33 +11,54 @@ namespace nibble::kernels {
 
 constexpr int64_t kMoeMaxTopK = 32;
 
+constexpr int kMoeMaxExpertsPerLane = 16;  // 512 experts
+
 __global__ void moe_route_kernel(const float* __restrict__ logits, int64_t m, int64_t n_experts,
                                  int64_t top_k, bool normalize, int32_t* __restrict__ ids,
                                  float* __restrict__ weights) {
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
   if (t >= m) return;
   const float* l = logits + t * n_experts;
+  float v[kMoeMaxExpertsPerLane];  // expert lane + 32 i
   float mx = -INFINITY;
-  for (int64_t e = 0; e < n_experts; ++e) mx = fmaxf(mx, l[e]);
-  float sum = 0.f;
-  for (int64_t e = 0; e < n_experts; ++e) sum += expf(l[e] - mx);
-  int32_t chosen[kMoeMaxTopK];
-  float chosen_p[kMoeMaxTopK], top_sum = 0.f;
-  for (int64_t j = 0; j < top_k; ++j) {
-    int32_t best = -1;
-    float best_l = -INFINITY;
-    for (int64_t e = 0; e < n_experts; ++e) {
-      bool taken = false;
-      for (int64_t i = 0; i < j; ++i) taken |= chosen[i] == e;
-      if (!taken && (best < 0 || l[e] > best_l)) best = int32_t(e), best_l = l[e];
-    }
-    chosen[j] = best;
-    chosen_p[j] = expf(best_l - mx) / sum;
-    top_sum += chosen_p[j];
+#pragma unroll
+  for (int i = 0; i < kMoeMaxExpertsPerLane; ++i) {
+    const int64_t e = lane + 32 * i;
+    v[i] = e < n_experts ? l[e] : -INFINITY;
+    mx = fmaxf(mx, v[i]);
   }
+  for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMoeMaxExpertsPerLane; ++i)
+    if (lane + 32 * i < n_experts) sum += expf(v[i] - mx);
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  float chosen_p = 0.f, top_sum = 0.f;  // lane j keeps the j-th choice
+  int32_t chosen = -1;
   for (int64_t j = 0; j < top_k; ++j) {
-    ids[t * top_k + j] = chosen[j];
-    weights[t * top_k + j] = chosen_p[j] / (normalize ? top_sum : 1.f);
+    float best = -INFINITY;
+    int32_t best_e = INT32_MAX;
+#pragma unroll
+    for (int i = 0; i < kMoeMaxExpertsPerLane; ++i) {
+      const int32_t e = lane + 32 * i;
+      if (e < n_experts && (v[i] > best || (v[i] == best && e < best_e))) best = v[i], best_e = e;
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, offset);
+      const int32_t oe = __shfl_xor_sync(0xffffffffu, best_e, offset);
+      if (ob > best || (ob == best && oe < best_e)) best = ob, best_e = oe;
+    }
+    const float p = expf(best - mx) / sum;
+    top_sum += p;
+    if (lane == j) chosen = best_e, chosen_p = p;
+#pragma unroll
+    for (int i = 0; i < kMoeMaxExpertsPerLane; ++i)
+      if (lane + 32 * i == best_e) v[i] = -INFINITY;  // taken
+  }
+  if (lane < top_k) {
+    ids[t * top_k + lane] = chosen;
+    weights[t * top_k + lane] = chosen_p / (normalize ? top_sum : 1.f);
   }
 }
 

@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -35,9 +37,62 @@ cuda::Dense dense_type(WeightFormat f) {
   }
 }
 
+// NIBBLE_PROFILE=1: GPU time of every top-level op, from CUDA events, summed by op and printed when
+// the backend is destroyed. A diagnostic (the events cost a little); `nibble bench --profile` will
+// make it a report.
+class OpProfiler {
+ public:
+  explicit OpProfiler(bool enabled) : enabled_(enabled) {}
+  ~OpProfiler() {
+    if (!enabled_ || records_.empty()) return;
+    cudaDeviceSynchronize();
+    std::unordered_map<std::string, std::pair<int64_t, double>> by_name;
+    double total = 0;
+    for (auto& r : records_) {
+      float ms = 0;
+      cudaEventElapsedTime(&ms, r.start, r.stop);
+      by_name[r.name].first += 1;
+      by_name[r.name].second += ms;
+      total += ms;
+      cudaEventDestroy(r.start);
+      cudaEventDestroy(r.stop);
+    }
+    std::vector<std::pair<std::string, std::pair<int64_t, double>>> rows(by_name.begin(), by_name.end());
+    std::sort(rows.begin(), rows.end(), [](auto& a, auto& b) { return a.second.second > b.second.second; });
+    fmt::print(stderr, "\nGPU time by op (NIBBLE_PROFILE), {:.1f} ms in all:\n", total);
+    for (auto& [name, v] : rows)
+      fmt::print(stderr, "  {:<24} {:>8} calls {:>10.2f} ms {:>6.1f}%\n", name, v.first, v.second,
+                 100 * v.second / total);
+  }
+  struct Scope {
+    OpProfiler& p;
+    bool active;
+    Scope(OpProfiler& profiler, const char* name) : p(profiler), active(profiler.enabled_ && profiler.depth_++ == 0) {
+      if (!active) return;
+      p.records_.push_back({name, nullptr, nullptr});
+      cudaEventCreate(&p.records_.back().start);
+      cudaEventCreate(&p.records_.back().stop);
+      cudaEventRecord(p.records_.back().start);
+    }
+    ~Scope() {
+      if (p.enabled_) --p.depth_;
+      if (active) cudaEventRecord(p.records_.back().stop);
+    }
+  };
+
+ private:
+  struct Record {
+    std::string name;
+    cudaEvent_t start, stop;
+  };
+  bool enabled_;
+  int depth_ = 0;
+  std::vector<Record> records_;
+};
+
 class CudaBackend final : public Backend {
  public:
-  CudaBackend() {
+  CudaBackend() : profiler_(std::getenv("NIBBLE_PROFILE") != nullptr) {
     int count = 0;
     const cudaError_t err = cudaGetDeviceCount(&count);
     NIBBLE_CHECK(err == cudaSuccess && count > 0, "--device cuda: no CUDA GPU is available ({})",
@@ -169,6 +224,7 @@ class CudaBackend final : public Backend {
   }
 
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
+    OpProfiler::Scope scope(profiler_, w.format == WeightFormat::kInt4 ? "linear int4" : w.n > 100000 ? "lm_head" : "linear dense");
     const bool gemv = w.format == WeightFormat::kInt4
                           ? w.int4.layout == Int4Layout::kWarpInterleaved
                           : w.k % (32 * cuda::dense_per_vec(dense_type(w.format))) == 0;
@@ -192,6 +248,7 @@ class CudaBackend final : public Backend {
   }
 
   void embed(const LinearWeight& table, const int32_t* ids, int64_t m, float* out) override {
+    OpProfiler::Scope scope(profiler_, "embed");
     NIBBLE_CHECK(table.format != WeightFormat::kInt4, "embed: INT4 embedding tables are not supported");
     for (int64_t t = 0; t < m; ++t)
       NIBBLE_CHECK(ids[t] >= 0 && ids[t] < table.n, "token id {} is outside the vocabulary (0..{})",
@@ -204,18 +261,21 @@ class CudaBackend final : public Backend {
 
   void rms_norm(const float* x, const WeightVector& w, int64_t rows, int64_t dim, float eps,
                 float* out) override {
+    OpProfiler::Scope scope(profiler_, "rms_norm");
     cuda::rms_norm(x, w.data, out, rows, dim, eps);
     CUDA_CHECK_LAUNCH("rms_norm");
   }
 
   void rope(float* x, int64_t m, int64_t n_head, int64_t head_dim, int64_t pos0,
             const RopeTable& table) override {
+    OpProfiler::Scope scope(profiler_, "rope");
     cuda::rope_neox(x, table.inv_freq.data, table.attention_factor, m, n_head, head_dim, pos0);
     CUDA_CHECK_LAUNCH("rope");
   }
 
   void attention(const float* q, const float* k_cache, const float* v_cache, int64_t m, int64_t pos0,
                  int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out) override {
+    OpProfiler::Scope scope(profiler_, "attention");
     NIBBLE_CHECK(head_dim <= cuda::kAttentionMaxHeadDim, "attention: head_dim {} exceeds {}",
                  head_dim, cuda::kAttentionMaxHeadDim);
     if (m <= cuda::kGemvMaxM) {  // decode: split the context across blocks
@@ -229,18 +289,23 @@ class CudaBackend final : public Backend {
   }
 
   void silu_mul(const float* gate, const float* up, int64_t count, float* out) override {
+    OpProfiler::Scope scope(profiler_, "silu_mul");
     cuda::silu_mul(gate, up, count, out);
     CUDA_CHECK_LAUNCH("silu_mul");
   }
 
   void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k, bool normalize,
                  int32_t* ids, float* weights) override {
-    NIBBLE_CHECK(top_k <= cuda::kMoeMaxTopK, "moe: top_k {} exceeds {}", top_k, cuda::kMoeMaxTopK);
+    OpProfiler::Scope scope(profiler_, "moe_route");
+    NIBBLE_CHECK(top_k <= cuda::kMoeMaxTopK && n_experts <= cuda::kMoeMaxExperts,
+                 "moe: top_k {} / {} experts exceed the kernel's limits ({} / {})", top_k, n_experts,
+                 cuda::kMoeMaxTopK, cuda::kMoeMaxExperts);
     cuda::moe_route(logits, m, n_experts, top_k, normalize, ids, weights);
     CUDA_CHECK_LAUNCH("moe_route");
   }
 
   void moe(const MoeWeights& w, const float* x, int64_t m, float* out) override {
+    OpProfiler::Scope scope(profiler_, "moe");
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
     linear(w.router, x, m, logits.data());
@@ -290,6 +355,7 @@ class CudaBackend final : public Backend {
   }
 
   void add(const float* x, int64_t count, float* y) override {
+    OpProfiler::Scope scope(profiler_, "add");
     cuda::add(x, count, y);
     CUDA_CHECK_LAUNCH("add");
   }
@@ -337,6 +403,7 @@ class CudaBackend final : public Backend {
     return buf->data();
   }
 
+  OpProfiler profiler_;
   std::unordered_map<size_t, std::vector<void*>> free_blocks_;
   std::unordered_map<void*, size_t> block_size_;
   // Keyed by the experts' storage, which lives as long as the model.

@@ -21,6 +21,7 @@ constexpr int64_t kGemvMaxM = 8;
 constexpr int64_t dense_per_vec(Dense t) { return t == Dense::kF32 ? 4 : 8; }
 constexpr int64_t kAttentionMaxHeadDim = 256;
 constexpr int64_t kMoeMaxTopK = 32;
+constexpr int64_t kMoeMaxExperts = 512;
 
 // kind: 0 = f32, 1 = bf16, 2 = u8, 3 = f16 (see Backend::fill_random).
 void fill_random(void* dst, int kind, int64_t count, float lo, float hi, uint64_t seed);

@@ -172,7 +172,7 @@ void add(const float* x, int64_t count, float* y) {
 void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k, bool normalize,
                int32_t* ids, float* weights) {
   static_assert(kMoeMaxTopK == kernels::kMoeMaxTopK);
-  kernels::moe_route_kernel<<<blocks_for(m, 128), 128>>>(logits, m, n_experts, top_k, normalize, ids, weights);
+  kernels::moe_route_kernel<<<blocks_for(m, 4), 128>>>(logits, m, n_experts, top_k, normalize, ids, weights);
 }
 
 void gather_rows(const float* src, const int32_t* rows, int64_t n_rows, int64_t dim, float* dst) {
