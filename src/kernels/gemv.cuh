@@ -9,8 +9,9 @@
 //   k = 256c + l + 32j. Chunks are stored in groups of 4 as [lane][4 words] (one uint4 per lane,
 //   512 contiguous bytes per warp), a last partial group of r < 4 chunks as [lane][r words].
 //   So lane l always multiplies x[256c + l + 32j]: consecutive lanes read consecutive x.
-//   Scales: f16 [n][K/G]; zeros: u8 [n][K/G], or none (symmetric: zero point 8). With G a multiple
-//   of 32, all 8 codes of a word at position j share group (256c + 32j) / G for every lane.
+//   Scales: f16 [n][K/G]; zeros: u8 [n][K/G], or none (symmetric: zero point 8). G is a power of
+//   two >= 32 (or covers all of K), so all 32 lanes' codes at position j of a word share group
+//   (256c + 32j) >> log2(G): one shift, no division, in the inner loop.
 // Dense rows (f32/f16/bf16) are read as 16-byte vectors of 16/sizeof(T) elements, lane-strided.
 #pragma once
 
@@ -30,7 +31,8 @@ struct Int4Gemv {
   const uint8_t* codes;
   const __half* scales;
   const uint8_t* zeros;  // null: symmetric, zero point 8
-  int64_t group_size, n_groups;
+  int64_t group_shift;   // log2(G); 30 when one group spans K
+  int64_t n_groups;
 };
 
 // Dequantised dot products of 8 codes (one word, position `word_pos` of chunk c) with x held in
@@ -73,7 +75,7 @@ __device__ __forceinline__ void int4_rows_dot(const Int4Gemv& w, int64_t row0, i
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
       if (wi >= words) break;
-      const int64_t kc = 256 * (c0 + wi);
+      const int kc = int(256 * (c0 + wi));
       float xv[M][8];
 #pragma unroll
       for (int mi = 0; mi < M; ++mi)
@@ -85,7 +87,7 @@ __device__ __forceinline__ void int4_rows_dot(const Int4Gemv& w, int64_t row0, i
         float scale_by_j[8], zero_by_j[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const int64_t g = (kc + 32 * j) / w.group_size;
+          const int g = (kc + 32 * j) >> int(w.group_shift);
           scale_by_j[j] = __half2float(w.scales[row * w.n_groups + g]);
           zero_by_j[j] = w.zeros ? float(w.zeros[row * w.n_groups + g]) : 8.f;
         }

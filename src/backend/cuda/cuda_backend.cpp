@@ -362,7 +362,8 @@ class CudaBackend final : public Backend {
 
  private:
   static cuda::Int4Device int4_device(const LinearWeight& w) {
-    return {w.int4.codes, w.int4.scales, w.int4.zeros, w.int4.group_size, w.int4.n_groups};
+    return {w.int4.codes, w.int4.scales, w.int4.zeros, cuda::int4_group_shift(w.k, w.int4.group_size),
+            w.int4.n_groups};
   }
 
   // Device arrays of the experts' matrices for the fused decode kernels, built on first use;

@@ -14,7 +14,8 @@ struct Int4Device {
   const uint8_t* codes;
   const uint16_t* scales;
   const uint8_t* zeros;  // null: symmetric
-  int64_t group_size, n_groups;
+  int64_t group_shift;   // log2(group size); 30 when one group spans K
+  int64_t n_groups;
 };
 constexpr int64_t kGemvMaxM = 8;
 // Elements per 16-byte vector of a dense type: gemv_dense needs k % (32 * this) == 0.

@@ -44,7 +44,7 @@ struct Embed {
 static_assert(sizeof(Int4Device) == sizeof(kernels::Int4Gemv));
 
 kernels::Int4Gemv to_kernel(const Int4Device& w) {
-  return {w.codes, reinterpret_cast<const __half*>(w.scales), w.zeros, w.group_size, w.n_groups};
+  return {w.codes, reinterpret_cast<const __half*>(w.scales), w.zeros, w.group_shift, w.n_groups};
 }
 
 constexpr int kGemvWarps = 4;
