@@ -72,6 +72,9 @@ struct MoeWeights {
   std::vector<MlpWeights> experts;
   int64_t top_k = 0;
   bool normalize = true;  // renormalise the top-k probabilities to sum 1
+  // What a backend derives from these weights on first use (the CUDA backend's device table of
+  // expert matrices); it lives and dies with the weights.
+  mutable std::shared_ptr<void> backend_state;
 };
 
 struct LayerWeights {

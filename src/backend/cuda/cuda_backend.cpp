@@ -133,7 +133,6 @@ class CudaBackend final : public Backend {
   }
 
   ~CudaBackend() override {
-    expert_tables_.clear();  // returns their buffers to the cache first
     for (auto& [size, blocks] : free_blocks_)
       for (void* p : blocks) cudaFree(p);
   }
@@ -366,25 +365,31 @@ class CudaBackend final : public Backend {
             w.int4.n_groups};
   }
 
-  // Device arrays of the experts' matrices for the fused decode kernels, built on first use;
-  // null when the experts are not all interleaved INT4 of one shape.
+  // Device arrays of the experts' matrices for the fused decode kernels, built on first use and
+  // kept in the weights' backend_state; `usable` is false when the experts are not all
+  // interleaved INT4 of one shape.
   struct ExpertTables {
+    bool usable = false;
     Buffer gate, up, down;
   };
   const ExpertTables* expert_tables(const MoeWeights& w) {
-    auto it = expert_tables_.find(w.experts.data());
-    if (it != expert_tables_.end()) return it->second.get();
+    if (w.backend_state) {
+      const auto* tables = static_cast<const ExpertTables*>(w.backend_state.get());
+      return tables->usable ? tables : nullptr;
+    }
+    auto tables = std::make_shared<ExpertTables>();
+    w.backend_state = tables;
     std::vector<cuda::Int4Device> gate, up, down;
     for (const MlpWeights& e : w.experts) {
       for (const LinearWeight* l : {&e.gate, &e.up, &e.down})
         if (l->format != WeightFormat::kInt4 || l->int4.layout != Int4Layout::kWarpInterleaved ||
             l->n != (l == &e.down ? w.router.k : w.experts[0].gate.n))
-          return expert_tables_.emplace(w.experts.data(), nullptr).first->second.get();
+          return nullptr;
       gate.push_back(int4_device(e.gate));
       up.push_back(int4_device(e.up));
       down.push_back(int4_device(e.down));
     }
-    auto tables = std::make_unique<ExpertTables>();
+    tables->usable = true;
     auto to_device = [&](const std::vector<cuda::Int4Device>& v) {
       Buffer b(*this, v.size() * sizeof(cuda::Int4Device));
       copy_to_backend(b.data(), v.data(), v.size() * sizeof(cuda::Int4Device));
@@ -393,7 +398,7 @@ class CudaBackend final : public Backend {
     tables->gate = to_device(gate);
     tables->up = to_device(up);
     tables->down = to_device(down);
-    return expert_tables_.emplace(w.experts.data(), std::move(tables)).first->second.get();
+    return tables.get();
   }
 
   // Copies host memory into a new device buffer owned by `w`.
@@ -407,8 +412,6 @@ class CudaBackend final : public Backend {
   OpProfiler profiler_;
   std::unordered_map<size_t, std::vector<void*>> free_blocks_;
   std::unordered_map<void*, size_t> block_size_;
-  // Keyed by the experts' storage, which lives as long as the model.
-  std::unordered_map<const MlpWeights*, std::unique_ptr<ExpertTables>> expert_tables_;
 };
 
 }  // namespace
