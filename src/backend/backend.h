@@ -48,21 +48,27 @@ class Backend {
 
   // out[m, n] = x[m, k] · Wᵀ (+ bias)
   virtual void linear(const LinearWeight& w, const float* x, int64_t m, float* out) = 0;
-  // out[m, hidden] = rows `ids` (host array) of the table. Error for ids outside the table.
+  // out[m, hidden] = rows `ids` of the table; ids in this backend's memory, already validated.
   virtual void embed(const LinearWeight& table, const int32_t* ids, int64_t m, float* out) = 0;
   // out[r] = x[r] / rms(x[r]) * w, over `rows` rows of `dim`; in place allowed
   virtual void rms_norm(const float* x, const WeightVector& w, int64_t rows, int64_t dim, float eps,
                         float* out) = 0;
-  // Rotates x[m, n_head, head_dim] in place by the half-split (NeoX) convention; token t is at
-  // position pos0 + t.
-  virtual void rope(float* x, int64_t m, int64_t n_head, int64_t head_dim, int64_t pos0,
-                    const RopeTable& table) = 0;
-  // Causal attention of q[m, n_head, hd] (tokens at positions pos0..pos0+m-1) over the cache
-  // k/v[0 .. pos0+m, n_head_kv, hd]; out[m, n_head, hd]. GQA: q head h reads kv head h / (n_head /
-  // n_head_kv).
+  // The attention prologue, fused: per-head RMSNorm of q[m, n_head, hd] and of the new keys
+  // k_new[m, n_head_kv, hd] (skipped where the norm weight is null), the half-split (NeoX) RoPE of
+  // both at positions[t], and the write of keys and values into cache rows positions[t]. q is
+  // updated in place. positions are in this backend's memory, so a captured decode step replays
+  // at any position.
+  virtual void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new,
+                                     const WeightVector& q_norm, const WeightVector& k_norm, float eps,
+                                     const RopeTable& rope, const int32_t* positions, int64_t m,
+                                     int64_t n_head, int64_t n_head_kv, int64_t head_dim,
+                                     float* k_cache, float* v_cache) = 0;
+  // Causal attention of q[m, n_head, hd] over the cache k/v[ctx, n_head_kv, hd]: token t attends
+  // to cache rows 0..positions[t]; out[m, n_head, hd]. GQA: q head h reads kv head
+  // h / (n_head / n_head_kv). max_context bounds every positions[t] + 1 (it sizes the work).
   virtual void attention(const float* q, const float* k_cache, const float* v_cache, int64_t m,
-                         int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
-                         float scale, float* out) = 0;
+                         const int32_t* positions, int64_t max_context, int64_t n_head,
+                         int64_t n_head_kv, int64_t head_dim, float scale, float* out) = 0;
   // out[i] = silu(gate[i]) * up[i]
   virtual void silu_mul(const float* gate, const float* up, int64_t count, float* out) = 0;
   // Routing: softmax over logits[m, n_experts], top-k (ties: lower expert id first), renormalised
@@ -73,6 +79,16 @@ class Backend {
   virtual void moe(const MoeWeights& w, const float* x, int64_t m, float* out) = 0;
   // y[i] += x[i]
   virtual void add(const float* x, int64_t count, float* y) = 0;
+
+  // Graphs: a decode step recorded once and replayed (CUDA graphs remove the launch overhead of
+  // hundreds of small kernels). Between begin_capture and end_capture ops are recorded, not run;
+  // end_capture returns whether a replayable graph was made (on false the caller runs the ops
+  // again, uncaptured). replay runs the graph recorded under `key`, false if there is none. The
+  // CPU backend records nothing.
+  virtual bool supports_graphs() const { return false; }
+  virtual bool replay(uint64_t key) { return false; }
+  virtual void begin_capture(uint64_t key) {}
+  virtual bool end_capture(uint64_t key) { return false; }
 };
 
 // Backend memory, freed on destruction.

@@ -21,6 +21,7 @@ struct BenchOptions {
               depths = "0";
   int64_t generate = 128;
   int repetitions = 3;
+  bool enforce_eager = false;
   std::vector<std::string> argv;
 };
 
@@ -53,6 +54,7 @@ void bench(const BenchOptions& o) {
   LoadOptions load;
   load.load_format = o.load_format;
   load.quantization = o.quantization;
+  load.enforce_eager = o.enforce_eager;
   const auto t0 = std::chrono::steady_clock::now();
   auto model = load_model(o.model_dir, *backend, load);
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -84,7 +86,7 @@ void bench(const BenchOptions& o) {
     nlohmann::json j;
     j["meta"] = {{"nibble", NIBBLE_VERSION}, {"commit", NIBBLE_GIT_COMMIT}, {"date", date}, {"device", device},
                  {"model", o.model_dir}, {"model_type", c.model_type}, {"load_format", o.load_format},
-                 {"quantization", o.quantization}, {"load_seconds", load_s},
+                 {"quantization", o.quantization}, {"enforce_eager", o.enforce_eager}, {"load_seconds", load_s},
                  {"copy_bandwidth_bytes_per_s", bandwidth}, {"weight_bytes_per_token", weight_bytes},
                  {"kv_bytes_per_context_token", model->kv_bytes_per_context_token()},
                  {"repetitions", o.repetitions}, {"command", o.argv}};
@@ -112,6 +114,7 @@ void add_bench_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("-d,--depth", o->depths, "Context depths, comma-separated");
   cmd->add_option("-r,--repetitions", o->repetitions, "Repetitions (mean ± std)")->check(CLI::PositiveNumber);
   cmd->add_option("--json", o->json_path, "Also write the results as JSON to this file");
+  cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
   cmd->callback([o] { bench(*o); });
 }
 

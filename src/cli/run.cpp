@@ -23,7 +23,7 @@ struct RunOptions {
   float presence_penalty = 0, frequency_penalty = 0;
   uint64_t seed = 0;
   std::vector<std::string> stop;
-  bool json = false, ignore_eos = false;
+  bool json = false, ignore_eos = false, enforce_eager = false;
 };
 
 std::vector<int32_t> parse_ids(const std::string& text) {
@@ -50,7 +50,9 @@ void run(const RunOptions& o) {
   NIBBLE_CHECK(o.prompt.empty() != o.prompt_ids.empty(), "give exactly one of --prompt and "
                "--prompt-ids");
   auto backend = make_backend(o.device);
-  auto model = load_model(o.model_dir, *backend);
+  LoadOptions load;
+  load.enforce_eager = o.enforce_eager;
+  auto model = load_model(o.model_dir, *backend, load);
   const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
   NIBBLE_CHECK(std::filesystem::exists(tok_path), "{}: missing (nibble run needs the model's "
                "tokenizer)", tok_path);
@@ -131,6 +133,7 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--max-model-len", o->max_model_len, "Context length (default: the model's)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--device", o->device, "cpu or cuda");
+  cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
   cmd->callback([o] { run(*o); });
 }
 

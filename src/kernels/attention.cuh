@@ -14,8 +14,8 @@ constexpr int64_t kAttentionMaxHeadDim = 256;
 
 __global__ void attention_online_warp_kernel(const float* __restrict__ q, const float* __restrict__ k,
                                              const float* __restrict__ v, float* __restrict__ out,
-                                             int64_t m, int64_t pos0, int64_t n_head, int64_t n_head_kv,
-                                             int64_t head_dim, float scale) {
+                                             int64_t m, const int32_t* __restrict__ positions,
+                                             int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
   const int64_t pair = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (pair >= m * n_head) return;
@@ -30,7 +30,7 @@ __global__ void attention_online_warp_kernel(const float* __restrict__ q, const 
     acc[j] = 0.f;
   }
   float running_max = -INFINITY, running_sum = 0.f;
-  const int64_t n_ctx = pos0 + t + 1;
+  const int64_t n_ctx = int64_t(positions[t]) + 1;
   for (int64_t pos = 0; pos < n_ctx; ++pos) {
     const float* kp = k + (pos * n_head_kv + kv) * head_dim;
     const float* vp = v + (pos * n_head_kv + kv) * head_dim;
@@ -68,15 +68,15 @@ constexpr int kAttentionSplitWarps = 4;
 
 __global__ void attention_split_kernel(const float* __restrict__ q, const float* __restrict__ k,
                                        const float* __restrict__ v, float* __restrict__ partial,
-                                       int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
-                                       float scale, int64_t n_splits) {
+                                       const int32_t* __restrict__ positions, int64_t n_head,
+                                       int64_t n_head_kv, int64_t head_dim, float scale, int64_t n_splits) {
   constexpr int kPerLane = kAttentionMaxHeadDim / 32;
   __shared__ float s_max[kAttentionSplitWarps], s_sum[kAttentionSplitWarps];
   __shared__ float s_acc[kAttentionSplitWarps][kAttentionMaxHeadDim];
   const int64_t pair = blockIdx.x, split = blockIdx.y;
   const int64_t t = pair / n_head, h = pair % n_head, kv = h / (n_head / n_head_kv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t n_ctx = pos0 + t + 1;
+  const int64_t n_ctx = int64_t(positions[t]) + 1;
   const int64_t begin = split * kAttentionSplit, end = min(n_ctx, begin + kAttentionSplit);
   const float* qh = q + pair * head_dim;
   float qv[kPerLane], acc[kPerLane];

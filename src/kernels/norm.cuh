@@ -28,22 +28,55 @@ __global__ void rms_norm_block_kernel(const float* __restrict__ x, const float* 
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = xr[i] * inv * (w ? w[i] : 1.f);
 }
 
-__global__ void rope_neox_kernel(float* __restrict__ x, const float* __restrict__ inv_freq,
-                                 float attention_factor, int64_t m, int64_t n_head, int64_t head_dim,
-                                 int64_t pos0) {
+// The attention prologue in one launch: block (token, head) over q heads then kv heads. One warp
+// per head vector: RMSNorm over head_dim (optional), RoPE (half-split) at the token's position,
+// then q is written back in place and k/v go to their cache row.
+__global__ void qk_norm_rope_kv_write_kernel(float* __restrict__ q, const float* __restrict__ k_new,
+                                             const float* __restrict__ v_new, const float* __restrict__ q_norm,
+                                             const float* __restrict__ k_norm, float eps,
+                                             const float* __restrict__ inv_freq, float attention_factor,
+                                             const int32_t* __restrict__ positions, int64_t n_head,
+                                             int64_t n_head_kv, int64_t head_dim, float* __restrict__ k_cache,
+                                             float* __restrict__ v_cache) {
+  constexpr int kMaxPerLane = 8;  // head_dim <= 256
+  const int64_t t = blockIdx.x, h = int64_t(blockIdx.y) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (h >= n_head + n_head_kv) return;
+  const bool is_q = h < n_head;
+  const int64_t pos = positions[t];
+  const float* src = is_q ? q + (t * n_head + h) * head_dim : k_new + (t * n_head_kv + (h - n_head)) * head_dim;
+  float* dst = is_q ? q + (t * n_head + h) * head_dim : k_cache + (pos * n_head_kv + (h - n_head)) * head_dim;
+  const float* norm = is_q ? q_norm : k_norm;
   const int64_t half = head_dim / 2;
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= m * n_head * half) return;
-  const int64_t i = idx % half, th = idx / half, t = th / n_head;
-  // Same f32 angle as the CPU reference and transformers; sincosf keeps full range reduction.
-  float s, c;
-  sincosf(float(pos0 + t) * inv_freq[i], &s, &c);
-  c *= attention_factor;
-  s *= attention_factor;
-  float* v = x + th * head_dim;
-  const float a = v[i], b = v[i + half];
-  v[i] = a * c - b * s;
-  v[i + half] = b * c + a * s;
+  // Lane holds pairs (i, i + half) for i = lane + 32 j, so the rotation needs no exchange.
+  float a[kMaxPerLane], b[kMaxPerLane];
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < kMaxPerLane; ++j) {
+    const int64_t i = lane + 32 * j;
+    a[j] = i < half ? src[i] : 0.f;
+    b[j] = i < half ? src[i + half] : 0.f;
+    ss += a[j] * a[j] + b[j] * b[j];
+  }
+  const float inv = norm ? rsqrtf(warp_sum(ss) / float(head_dim) + eps) : 1.f;
+#pragma unroll
+  for (int j = 0; j < kMaxPerLane; ++j) {
+    const int64_t i = lane + 32 * j;
+    if (i >= half) break;
+    const float x0 = a[j] * inv * (norm ? norm[i] : 1.f), x1 = b[j] * inv * (norm ? norm[i + half] : 1.f);
+    // Same f32 angle as the CPU reference and transformers; sincosf keeps full range reduction.
+    float s, c;
+    sincosf(float(pos) * inv_freq[i], &s, &c);
+    c *= attention_factor;
+    s *= attention_factor;
+    dst[i] = x0 * c - x1 * s;
+    dst[i + half] = x1 * c + x0 * s;
+  }
+  if (!is_q) {
+    const float* vs = v_new + (t * n_head_kv + (h - n_head)) * head_dim;
+    float* vd = v_cache + (pos * n_head_kv + (h - n_head)) * head_dim;
+    for (int64_t i = lane; i < head_dim; i += 32) vd[i] = vs[i];
+  }
 }
 
 }  // namespace nibble::kernels

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <span>
@@ -19,6 +20,17 @@ namespace nibble {
 // set: the hook for dumping a model layer by layer and comparing it with the reference.
 using Tracer = std::function<void(const std::string& name, const float* data, int64_t rows, int64_t dim)>;
 
+// One forward step as an architecture computes it: everything in the backend's memory, so the
+// same recorded step can be replayed for the next token.
+struct Step {
+  const int32_t* ids;        // [n_tokens]
+  const int32_t* positions;  // [n_tokens]: position of each token in its sequence
+  int64_t n_tokens;
+  int64_t max_context;  // bound on positions + 1: sizes attention's work
+  bool all_logits;      // logits for every token, or the last only
+  float* logits;        // [n_tokens or 1, vocab]
+};
+
 class Model {
  public:
   virtual ~Model() = default;
@@ -26,9 +38,11 @@ class Model {
 
   // Runs `tokens` at positions pos0 .. pos0+n-1 of one sequence whose earlier positions are in
   // `kv`, and appends their keys and values to it. Writes logits for every token ([n, vocab]) when
-  // `all_logits`, else for the last one only ([1, vocab]).
-  virtual void forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
-                       std::vector<float>& logits) = 0;
+  // `all_logits`, else for the last one only ([1, vocab]). Single-token steps are recorded as a
+  // graph once per (cache, context bucket) and replayed, unless graphs are off.
+  void forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
+               std::vector<float>& logits);
+  void set_use_graphs(bool on) { use_graphs_ = on; }
   virtual KvCache make_kv_cache(int64_t max_tokens) const = 0;
   // Bytes one decoded token reads: every weight it uses (the top-k experts of each MoE layer, one
   // embedding row) and, per token of context, the KV cache as this backend stores it.
@@ -42,7 +56,11 @@ class Model {
   Backend& backend() const { return backend_; }
 
  protected:
-  Model(ModelConfig config, Backend& backend) : config_(std::move(config)), backend_(backend) {}
+  Model(ModelConfig config, Backend& backend) : config_(std::move(config)), backend_(backend) {
+    static std::atomic<uint64_t> counter{0};
+    id_ = ++counter;
+  }
+  virtual void compute(const Step& step, KvCache& kv) = 0;
   // `data` is in the backend's memory; the tracer always gets a host copy.
   void trace(const std::string& name, const float* data, int64_t rows, int64_t dim) const {
     if (!tracer_) return;
@@ -53,9 +71,16 @@ class Model {
   ModelConfig config_;
   Backend& backend_;
   Tracer tracer_;
+
+ private:
+  uint64_t id_;  // unique for the process's life: part of the graph keys
+  bool use_graphs_ = true;
+  Buffer decode_ids_, decode_positions_, decode_logits_;  // fixed addresses for recorded steps
+  std::vector<uint64_t> capture_failures_;  // keys whose recording failed (tried at most twice)
 };
 
 struct LoadOptions {
+  bool enforce_eager = false;        // no graphs: every op launched as it comes
   std::string load_format = "auto";  // "auto": the checkpoint's safetensors; "dummy": random weights
   std::string quantization;          // with dummy weights: "" (BF16) or "int4" (GPTQ-like, W4A16)
   int group_size = 128;

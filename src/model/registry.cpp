@@ -50,6 +50,7 @@ std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend
     }
     auto model = a.create(config, *source, backend);
     source->finish();
+    model->set_use_graphs(!options.enforce_eager);
     return model;
   }
   std::string list;

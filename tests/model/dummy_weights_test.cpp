@@ -3,6 +3,7 @@
 // the logits of a dummy model as they do on a real one.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -86,6 +87,43 @@ TEST(DummyWeights, BackendsAgree) {
     }
     EXPECT_LE(diff / ref, 1e-4) << "quantization '" << q << "', " << dir;
   }
+}
+
+// Decode steps replayed from recorded graphs compute what the same steps launched op by op do, at
+// every position (the graphs read the position from device memory and are bucketed by context).
+TEST(DummyWeights, RecordedDecodeMatchesEager) {
+  std::unique_ptr<Backend> gpu;
+  try {
+    gpu = make_backend("cuda");
+  } catch (const Error& e) {
+    GTEST_SKIP() << e.what();
+  }
+  auto decode = [&](bool eager) {
+    LoadOptions load;
+    load.load_format = "dummy";
+    load.quantization = "int4";
+    load.enforce_eager = eager;
+    auto model = load_model(decode_shaped_config(), *gpu, load);
+    KvCache kv = model->make_kv_cache(700);
+    std::vector<int32_t> prompt = {3, 141, 59, 26, 5, 358, 97, 9, 32, 384};
+    std::vector<float> logits, all;
+    model->forward(prompt, 0, kv, false, logits);
+    // Past 256 and 512 positions: three context buckets, so three recordings.
+    for (int64_t pos = int64_t(prompt.size()); pos < 600; ++pos) {
+      const int32_t next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      model->forward({&next, 1}, pos, kv, false, logits);
+      if (pos % 50 == 0 || pos > 590) all.insert(all.end(), logits.begin(), logits.end());
+    }
+    return all;
+  };
+  auto eager = decode(true), graphs = decode(false);
+  ASSERT_EQ(eager.size(), graphs.size());
+  double diff = 0, ref = 0;
+  for (size_t i = 0; i < eager.size(); ++i) {
+    diff = std::max(diff, double(std::fabs(graphs[i] - eager[i])));
+    ref = std::max(ref, double(std::fabs(eager[i])));
+  }
+  EXPECT_LE(diff / ref, 1e-6);
 }
 
 }  // namespace

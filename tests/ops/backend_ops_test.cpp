@@ -160,11 +160,9 @@ TEST_F(OpsTest, EmbedNormRopeElementwise) {
     std::vector<float> want(ids.size() * 72);
     cpu_->embed(table, ids.data(), int64_t(ids.size()), want.data());
     float* out = poisoned_gpu(int64_t(want.size()));
-    gpu_->embed(gpu_->upload(table), ids.data(), int64_t(ids.size()), out);
+    gpu_->embed(gpu_->upload(table), on_gpu(ids), int64_t(ids.size()), out);
     expect_close(to_host(out, int64_t(want.size())), want, "embed");
   }
-  EXPECT_THROW(gpu_->embed(gpu_->upload(random_weight(WeightFormat::kF32, 10, 8)), std::vector<int32_t>{10}.data(), 1,
-                           poisoned_gpu(8)), Error);
   for (auto [rows, dim] : {std::pair<int64_t, int64_t>{1, 40}, {7, 2048}, {64, 96}}) {
     auto x = random(rows * dim, 3.f);
     WeightVector w = host_vector(random(dim));
@@ -174,23 +172,33 @@ TEST_F(OpsTest, EmbedNormRopeElementwise) {
     gpu_->rms_norm(on_gpu(x), gpu_->upload(w), rows, dim, 1e-6f, out);
     expect_close(to_host(out, rows * dim), want, fmt::format("rms_norm {}x{}", rows, dim));
   }
+  // The attention prologue: q/k per-head norm (or none), RoPE at arbitrary positions, KV write.
   for (const char* rope_type : {"default", "yarn"}) {
-    ModelConfig c;
-    c.head_dim = 128;
-    c.rope.theta = 1e6;
-    c.rope.type = rope_type;
-    c.rope.factor = 4;
-    c.rope.original_max_position_embeddings = 4096;
-    RopeTable host = make_rope_table(c);
-    RopeTable dev{gpu_->upload(host.inv_freq), host.attention_factor};
-    for (int64_t pos0 : {0, 1000, 30000}) {
-      const int64_t m = 9, heads = 4;
-      auto x = random(m * heads * 128);
-      std::vector<float> want = x;
-      cpu_->rope(want.data(), m, heads, 128, pos0, host);
-      float* d = on_gpu(x);
-      gpu_->rope(d, m, heads, 128, pos0, dev);
-      expect_close(to_host(d, int64_t(x.size())), want, fmt::format("rope {} pos0={}", rope_type, pos0));
+    for (bool norms : {true, false}) {
+      ModelConfig c;
+      c.head_dim = 128;
+      c.rope.theta = 1e6;
+      c.rope.type = rope_type;
+      c.rope.factor = 4;
+      c.rope.original_max_position_embeddings = 4096;
+      RopeTable host = make_rope_table(c);
+      RopeTable dev{gpu_->upload(host.inv_freq), host.attention_factor};
+      const int64_t m = 3, nh = 6, nkv = 2, hd = 128, ctx = 40000, row = nkv * hd;
+      std::vector<int32_t> positions = {5, 30001, 7};
+      WeightVector qn = norms ? host_vector(random(hd)) : WeightVector{}, kn = norms ? host_vector(random(hd)) : WeightVector{};
+      auto q = random(m * nh * hd, 2.f), k = random(m * row, 2.f), v = random(m * row);
+      std::vector<float> want_q = q, want_k(size_t(ctx * row), 0.f), want_v(size_t(ctx * row), 0.f);
+      cpu_->qk_norm_rope_kv_write(want_q.data(), k.data(), v.data(), qn, kn, 1e-6f, host, positions.data(), m,
+                                  nh, nkv, hd, want_k.data(), want_v.data());
+      float* dq = on_gpu(q);
+      float* dk = on_gpu(std::vector<float>(size_t(ctx * row), 0.f));
+      float* dv = on_gpu(std::vector<float>(size_t(ctx * row), 0.f));
+      gpu_->qk_norm_rope_kv_write(dq, on_gpu(k), on_gpu(v), norms ? gpu_->upload(qn) : qn, norms ? gpu_->upload(kn) : kn,
+                                  1e-6f, dev, on_gpu(positions), m, nh, nkv, hd, dk, dv);
+      const std::string what = fmt::format("qk_norm_rope_kv {}{}", rope_type, norms ? " norms" : "");
+      expect_close(to_host(dq, int64_t(q.size())), want_q, what + " q");
+      expect_close(to_host(dk, ctx * row), want_k, what + " k cache");
+      expect_close(to_host(dv, ctx * row), want_v, what + " v cache");
     }
   }
   const int64_t count = 1001;
@@ -217,10 +225,16 @@ TEST_F(OpsTest, Attention) {
       const int64_t ctx = pos0 + m, row = s.n_head_kv * s.head_dim;
       auto q = random(m * s.n_head * s.head_dim), k = random(ctx * row), v = random(ctx * row);
       const float scale = 1.f / std::sqrt(float(s.head_dim));
+      std::vector<int32_t> positions(static_cast<size_t>(m));
+      for (int64_t t = 0; t < m; ++t) positions[size_t(t)] = int32_t(pos0 + t);
+      // A context bound above the real one, as a recorded decode step passes (its bucket).
+      const int64_t max_context = ctx + 300;
       std::vector<float> want(size_t(m * s.n_head * s.head_dim));
-      cpu_->attention(q.data(), k.data(), v.data(), m, pos0, s.n_head, s.n_head_kv, s.head_dim, scale, want.data());
+      cpu_->attention(q.data(), k.data(), v.data(), m, positions.data(), max_context, s.n_head, s.n_head_kv,
+                      s.head_dim, scale, want.data());
       float* out = poisoned_gpu(int64_t(want.size()));
-      gpu_->attention(on_gpu(q), on_gpu(k), on_gpu(v), m, pos0, s.n_head, s.n_head_kv, s.head_dim, scale, out);
+      gpu_->attention(on_gpu(q), on_gpu(k), on_gpu(v), m, on_gpu(positions), max_context, s.n_head, s.n_head_kv,
+                      s.head_dim, scale, out);
       expect_close(to_host(out, int64_t(want.size())), want,
                    fmt::format("attention {}/{}x{} m={} pos0={}", s.n_head, s.n_head_kv, s.head_dim, m, pos0));
     }

@@ -91,11 +91,7 @@ class CpuBackend final : public Backend {
   }
 
   void embed(const LinearWeight& table, const int32_t* ids, int64_t m, float* out) override {
-    for (int64_t t = 0; t < m; ++t) {
-      NIBBLE_CHECK(ids[t] >= 0 && ids[t] < table.n, "token id {} is outside the vocabulary "
-                   "(0..{})", ids[t], table.n - 1);
-      table.row_f32(ids[t], out + t * table.k);
-    }
+    for (int64_t t = 0; t < m; ++t) table.row_f32(ids[t], out + t * table.k);
   }
 
   void rms_norm(const float* x, const WeightVector& weight, int64_t rows, int64_t dim, float eps,
@@ -109,13 +105,32 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void rope(float* x, int64_t m, int64_t n_head, int64_t head_dim, int64_t pos0,
-            const RopeTable& table) override {
+  void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new,
+                             const WeightVector& q_norm, const WeightVector& k_norm, float eps,
+                             const RopeTable& rope_table, const int32_t* positions, int64_t m,
+                             int64_t n_head, int64_t n_head_kv, int64_t head_dim, float* k_cache,
+                             float* v_cache) override {
+    if (q_norm.data) rms_norm(q, q_norm, m * n_head, head_dim, eps, q);
+    rope(q, m, n_head, head_dim, positions, rope_table);
+    const int64_t row = n_head_kv * head_dim;
+    for (int64_t t = 0; t < m; ++t) {
+      float* k = k_cache + int64_t(positions[t]) * row;
+      if (k_norm.data)
+        rms_norm(k_new + t * row, k_norm, n_head_kv, head_dim, eps, k);
+      else
+        std::copy_n(k_new + t * row, row, k);
+      rope(k, 1, n_head_kv, head_dim, positions + t, rope_table);
+      std::copy_n(v_new + t * row, row, v_cache + int64_t(positions[t]) * row);
+    }
+  }
+
+  void rope(float* x, int64_t m, int64_t n_head, int64_t head_dim, const int32_t* positions,
+            const RopeTable& table) {
     const int64_t half = head_dim / 2;
     for (int64_t t = 0; t < m; ++t) {
       for (int64_t i = 0; i < half; ++i) {
         // Angles in f32 as transformers computes them (inv_freq · position in float32).
-        const float angle = float(pos0 + t) * table.inv_freq.data[i];
+        const float angle = float(positions[t]) * table.inv_freq.data[i];
         const float c = std::cos(angle) * table.attention_factor;
         const float s = std::sin(angle) * table.attention_factor;
         for (int64_t h = 0; h < n_head; ++h) {
@@ -129,16 +144,17 @@ class CpuBackend final : public Backend {
   }
 
   void attention(const float* q, const float* k_cache, const float* v_cache, int64_t m,
-                 int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale,
-                 float* out) override {
+                 const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
+                 int64_t head_dim, float scale, float* out) override {
     const int64_t group = n_head / n_head_kv;
-#pragma omp parallel if (m * n_head * (pos0 + m) * head_dim >= kMinParallelWork)
+#pragma omp parallel if (m * n_head * max_context * head_dim >= kMinParallelWork)
     {
-      std::vector<float> scores(static_cast<size_t>(pos0 + m));
+      std::vector<float> scores(static_cast<size_t>(max_context));
 #pragma omp for collapse(2) schedule(static)
       for (int64_t t = 0; t < m; ++t) {
         for (int64_t h = 0; h < n_head; ++h) {
-          const int64_t kv = h / group, n_ctx = pos0 + t + 1;
+          const int64_t kv = h / group, n_ctx = int64_t(positions[t]) + 1;
+          NIBBLE_ASSERT(n_ctx <= max_context);
           const float* qh = q + (t * n_head + h) * head_dim;
           float max_score = -INFINITY;
           for (int64_t j = 0; j < n_ctx; ++j) {

@@ -67,7 +67,8 @@ class OpProfiler {
   struct Scope {
     OpProfiler& p;
     bool active;
-    Scope(OpProfiler& profiler, const char* name) : p(profiler), active(profiler.enabled_ && profiler.depth_++ == 0) {
+    Scope(OpProfiler& profiler, const char* name)
+        : p(profiler), active(profiler.enabled_ && !profiler.paused_ && profiler.depth_++ == 0) {
       if (!active) return;
       p.records_.push_back({name, nullptr, nullptr});
       cudaEventCreate(&p.records_.back().start);
@@ -75,7 +76,7 @@ class OpProfiler {
       cudaEventRecord(p.records_.back().start);
     }
     ~Scope() {
-      if (p.enabled_) --p.depth_;
+      if (p.enabled_ && !p.paused_) --p.depth_;
       if (active) cudaEventRecord(p.records_.back().stop);
     }
   };
@@ -87,6 +88,11 @@ class OpProfiler {
   };
   bool enabled_;
   int depth_ = 0;
+
+ public:
+  bool paused_ = false;  // while a graph is recorded (events would be recorded into it)
+
+ private:
   std::vector<Record> records_;
 };
 
@@ -133,6 +139,7 @@ class CudaBackend final : public Backend {
   }
 
   ~CudaBackend() override {
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
     for (auto& [size, blocks] : free_blocks_)
       for (void* p : blocks) cudaFree(p);
   }
@@ -249,12 +256,7 @@ class CudaBackend final : public Backend {
   void embed(const LinearWeight& table, const int32_t* ids, int64_t m, float* out) override {
     OpProfiler::Scope scope(profiler_, "embed");
     NIBBLE_CHECK(table.format != WeightFormat::kInt4, "embed: INT4 embedding tables are not supported");
-    for (int64_t t = 0; t < m; ++t)
-      NIBBLE_CHECK(ids[t] >= 0 && ids[t] < table.n, "token id {} is outside the vocabulary (0..{})",
-                   ids[t], table.n - 1);
-    Buffer dev_ids(*this, size_t(m) * 4);
-    copy_to_backend(dev_ids.data(), ids, size_t(m) * 4);
-    cuda::embed(dense_type(table.format), table.dense, dev_ids.data<int32_t>(), m, table.k, out);
+    cuda::embed(dense_type(table.format), table.dense, ids, m, table.k, out);
     CUDA_CHECK_LAUNCH("embed");
   }
 
@@ -265,24 +267,32 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH("rms_norm");
   }
 
-  void rope(float* x, int64_t m, int64_t n_head, int64_t head_dim, int64_t pos0,
-            const RopeTable& table) override {
-    OpProfiler::Scope scope(profiler_, "rope");
-    cuda::rope_neox(x, table.inv_freq.data, table.attention_factor, m, n_head, head_dim, pos0);
-    CUDA_CHECK_LAUNCH("rope");
+  void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new,
+                             const WeightVector& q_norm, const WeightVector& k_norm, float eps,
+                             const RopeTable& rope, const int32_t* positions, int64_t m,
+                             int64_t n_head, int64_t n_head_kv, int64_t head_dim, float* k_cache,
+                             float* v_cache) override {
+    OpProfiler::Scope scope(profiler_, "qk_norm_rope_kv");
+    NIBBLE_CHECK(head_dim <= 2 * 32 * 8 && head_dim % 2 == 0, "attention: head_dim {} is not supported",
+                 head_dim);
+    cuda::qk_norm_rope_kv_write(q, k_new, v_new, q_norm.data, k_norm.data, eps, rope.inv_freq.data,
+                                rope.attention_factor, positions, m, n_head, n_head_kv, head_dim,
+                                k_cache, v_cache);
+    CUDA_CHECK_LAUNCH("qk_norm_rope_kv_write");
   }
 
-  void attention(const float* q, const float* k_cache, const float* v_cache, int64_t m, int64_t pos0,
-                 int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out) override {
+  void attention(const float* q, const float* k_cache, const float* v_cache, int64_t m,
+                 const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
+                 int64_t head_dim, float scale, float* out) override {
     OpProfiler::Scope scope(profiler_, "attention");
     NIBBLE_CHECK(head_dim <= cuda::kAttentionMaxHeadDim, "attention: head_dim {} exceeds {}",
                  head_dim, cuda::kAttentionMaxHeadDim);
     if (m <= cuda::kGemvMaxM) {  // decode: split the context across blocks
-      Buffer partial(*this, size_t(cuda::attention_split_floats(m, pos0, n_head, head_dim)) * 4);
-      cuda::attention_split(q, k_cache, v_cache, partial.data(), out, m, pos0, n_head, n_head_kv,
-                            head_dim, scale);
+      Buffer partial(*this, size_t(cuda::attention_split_floats(m, max_context, n_head, head_dim)) * 4);
+      cuda::attention_split(q, k_cache, v_cache, partial.data(), out, m, positions, max_context, n_head,
+                            n_head_kv, head_dim, scale);
     } else {
-      cuda::attention(q, k_cache, v_cache, out, m, pos0, n_head, n_head_kv, head_dim, scale);
+      cuda::attention(q, k_cache, v_cache, out, m, positions, n_head, n_head_kv, head_dim, scale);
     }
     CUDA_CHECK_LAUNCH("attention");
   }
@@ -319,6 +329,10 @@ class CudaBackend final : public Backend {
       CUDA_CHECK_LAUNCH("moe_decode_int4");
       return;
     }
+    if (capturing_) {  // the grouped path reads the routing back to the host: not recordable
+      capture_failed_ = true;
+      return;
+    }
     std::vector<int32_t> host_ids(size_t(m * K));
     std::vector<float> host_weights(size_t(m * K));
     copy_to_host(host_ids.data(), ids.data(), host_ids.size() * 4);
@@ -353,6 +367,45 @@ class CudaBackend final : public Backend {
     }
   }
 
+  bool supports_graphs() const override { return true; }
+
+  void begin_capture(uint64_t key) override {
+    NIBBLE_ASSERT(!capturing_);
+    CUDA_CHECK(cudaStreamBeginCapture(cudaStreamPerThread, cudaStreamCaptureModeRelaxed));
+    capturing_ = true;
+    capture_failed_ = false;
+    profiler_.paused_ = true;
+  }
+
+  bool end_capture(uint64_t key) override {
+    capturing_ = false;
+    profiler_.paused_ = false;
+    cudaGraph_t graph = nullptr;
+    const cudaError_t err = cudaStreamEndCapture(cudaStreamPerThread, &graph);
+    if (err != cudaSuccess || capture_failed_ || !graph) {
+      cudaGetLastError();  // clear the capture error; the caller runs the step uncaptured
+      if (graph) cudaGraphDestroy(graph);
+      return false;
+    }
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (inst != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    graphs_[key] = exec;
+    return true;
+  }
+
+  bool replay(uint64_t key) override {
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) return false;
+    OpProfiler::Scope scope(profiler_, "graph step");
+    CUDA_CHECK(cudaGraphLaunch(it->second, cudaStreamPerThread));
+    return true;
+  }
+
   void add(const float* x, int64_t count, float* y) override {
     OpProfiler::Scope scope(profiler_, "add");
     cuda::add(x, count, y);
@@ -376,6 +429,10 @@ class CudaBackend final : public Backend {
     if (w.backend_state) {
       const auto* tables = static_cast<const ExpertTables*>(w.backend_state.get());
       return tables->usable ? tables : nullptr;
+    }
+    if (capturing_) {  // building them copies from the host: not while recording
+      capture_failed_ = true;
+      return nullptr;
     }
     auto tables = std::make_shared<ExpertTables>();
     w.backend_state = tables;
@@ -410,6 +467,8 @@ class CudaBackend final : public Backend {
   }
 
   OpProfiler profiler_;
+  bool capturing_ = false, capture_failed_ = false;
+  std::unordered_map<uint64_t, cudaGraphExec_t> graphs_;
   std::unordered_map<size_t, std::vector<void*>> free_blocks_;
   std::unordered_map<void*, size_t> block_size_;
 };

@@ -45,16 +45,18 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
                      const int32_t* ids, const float* weights, const float* x, float* act, float* out,
                      int64_t m, int64_t top_k, int64_t inter, int64_t hidden);
 // Split-K attention; partial is scratch of attention_split_floats(...) floats.
-int64_t attention_split_floats(int64_t m, int64_t pos0, int64_t n_head, int64_t head_dim);
+int64_t attention_split_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim);
 void attention_split(const float* q, const float* k, const float* v, float* partial, float* out,
-                     int64_t m, int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
-                     float scale);
+                     int64_t m, const int32_t* positions, int64_t max_context, int64_t n_head,
+                     int64_t n_head_kv, int64_t head_dim, float scale);
 void embed(Dense type, const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out);
 void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, float eps);
-void rope_neox(float* x, const float* inv_freq, float attention_factor, int64_t m, int64_t n_head,
-               int64_t head_dim, int64_t pos0);
-void attention(const float* q, const float* k, const float* v, float* out, int64_t m, int64_t pos0,
-               int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale);
+void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new, const float* q_norm,
+                           const float* k_norm, float eps, const float* inv_freq, float attention_factor,
+                           const int32_t* positions, int64_t m, int64_t n_head, int64_t n_head_kv,
+                           int64_t head_dim, float* k_cache, float* v_cache);
+void attention(const float* q, const float* k, const float* v, float* out, int64_t m,
+               const int32_t* positions, int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale);
 void silu_mul(const float* gate, const float* up, int64_t count, float* out);
 void add(const float* x, int64_t count, float* y);
 void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k, bool normalize,

@@ -117,18 +117,18 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
   kernels::moe_down_int4_kernel<kRows><<<grid2, 32 * kGemvWarps>>>(d, ids, weights, act, out, top_k, inter, hidden);
 }
 
-int64_t attention_split_floats(int64_t m, int64_t pos0, int64_t n_head, int64_t head_dim) {
-  const int64_t n_splits = (pos0 + m + kernels::kAttentionSplit - 1) / kernels::kAttentionSplit;
+int64_t attention_split_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim) {
+  const int64_t n_splits = (max_context + kernels::kAttentionSplit - 1) / kernels::kAttentionSplit;
   return m * n_head * n_splits * (head_dim + 2);
 }
 
 void attention_split(const float* q, const float* k, const float* v, float* partial, float* out,
-                     int64_t m, int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
-                     float scale) {
-  const int64_t n_splits = (pos0 + m + kernels::kAttentionSplit - 1) / kernels::kAttentionSplit;
+                     int64_t m, const int32_t* positions, int64_t max_context, int64_t n_head,
+                     int64_t n_head_kv, int64_t head_dim, float scale) {
+  const int64_t n_splits = (max_context + kernels::kAttentionSplit - 1) / kernels::kAttentionSplit;
   const dim3 grid(unsigned(m * n_head), unsigned(n_splits));
   kernels::attention_split_kernel<<<grid, 32 * kernels::kAttentionSplitWarps>>>(
-      q, k, v, partial, pos0, n_head, n_head_kv, head_dim, scale, n_splits);
+      q, k, v, partial, positions, n_head, n_head_kv, head_dim, scale, n_splits);
   kernels::attention_merge_kernel<<<unsigned(m * n_head), 128>>>(partial, out, m * n_head, head_dim, n_splits);
 }
 
@@ -147,18 +147,23 @@ void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t di
   kernels::rms_norm_block_kernel<<<unsigned(rows), 256>>>(x, w, y, dim, eps);
 }
 
-void rope_neox(float* x, const float* inv_freq, float attention_factor, int64_t m, int64_t n_head,
-               int64_t head_dim, int64_t pos0) {
-  kernels::rope_neox_kernel<<<blocks_for(m * n_head * (head_dim / 2), 256), 256>>>(
-      x, inv_freq, attention_factor, m, n_head, head_dim, pos0);
+void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new, const float* q_norm,
+                           const float* k_norm, float eps, const float* inv_freq, float attention_factor,
+                           const int32_t* positions, int64_t m, int64_t n_head, int64_t n_head_kv,
+                           int64_t head_dim, float* k_cache, float* v_cache) {
+  constexpr int kWarps = 4;
+  const dim3 grid(unsigned(m), unsigned((n_head + n_head_kv + kWarps - 1) / kWarps));
+  kernels::qk_norm_rope_kv_write_kernel<<<grid, 32 * kWarps>>>(q, k_new, v_new, q_norm, k_norm, eps, inv_freq,
+                                                               attention_factor, positions, n_head, n_head_kv,
+                                                               head_dim, k_cache, v_cache);
 }
 
-void attention(const float* q, const float* k, const float* v, float* out, int64_t m, int64_t pos0,
-               int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
+void attention(const float* q, const float* k, const float* v, float* out, int64_t m,
+               const int32_t* positions, int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
   static_assert(kAttentionMaxHeadDim == kernels::kAttentionMaxHeadDim);
   constexpr int kWarps = 4;
   kernels::attention_online_warp_kernel<<<blocks_for(m * n_head, kWarps), 32 * kWarps>>>(
-      q, k, v, out, m, pos0, n_head, n_head_kv, head_dim, scale);
+      q, k, v, out, m, positions, n_head, n_head_kv, head_dim, scale);
 }
 
 void silu_mul(const float* gate, const float* up, int64_t count, float* out) {

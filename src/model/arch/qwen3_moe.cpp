@@ -76,38 +76,30 @@ class Qwen3Moe final : public Model {
     return bytes;
   }
 
-  void forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
-               std::vector<float>& logits) override {
+  void compute(const Step& step, KvCache& kv) override {
     const auto& c = config_;
     Backend& be = backend_;
-    const int64_t T = int64_t(tokens.size()), H = c.hidden_size, hd = c.head_dim;
+    const int64_t T = step.n_tokens, H = c.hidden_size, hd = c.head_dim;
     const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;
     const float eps = float(c.rms_norm_eps);
-    NIBBLE_CHECK(T > 0, "forward: no tokens");
-    NIBBLE_CHECK(pos0 + T <= kv.max_tokens(), "sequence of {} tokens does not fit the context of {} "
-                 "tokens", pos0 + T, kv.max_tokens());
     auto floats = [&](int64_t n) { return Buffer(be, size_t(n) * sizeof(float)); };
     Buffer x = floats(T * H), normed = floats(T * H), q = floats(T * nh * hd);
+    Buffer k_new = floats(T * nkv * hd), v_new = floats(T * nkv * hd);
     Buffer attn = floats(T * nh * hd), proj = floats(T * H);
-    be.embed(w_.embed, tokens.data(), T, x.data());
+    be.embed(w_.embed, step.ids, T, x.data());
     trace("embed", x.data(), T, H);
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const LayerWeights& l = w_.layers[size_t(i)];
       const std::string name = "layers." + std::to_string(i);
       be.rms_norm(x.data(), l.input_norm, T, H, eps, normed.data());
-      float* k_new = kv.k(i) + pos0 * nkv * hd;  // this step's keys/values go straight to the cache
-      float* v_new = kv.v(i) + pos0 * nkv * hd;
       be.linear(l.q, normed.data(), T, q.data());
-      be.linear(l.k, normed.data(), T, k_new);
-      be.linear(l.v, normed.data(), T, v_new);
-      be.rms_norm(q.data(), l.q_norm, T * nh, hd, eps, q.data());
-      be.rms_norm(k_new, l.k_norm, T * nkv, hd, eps, k_new);
-      be.rope(q.data(), T, nh, hd, pos0, rope_);
-      be.rope(k_new, T, nkv, hd, pos0, rope_);
+      be.linear(l.k, normed.data(), T, k_new.data());
+      be.linear(l.v, normed.data(), T, v_new.data());
+      be.qk_norm_rope_kv_write(q.data(), k_new.data(), v_new.data(), l.q_norm, l.k_norm, eps, rope_,
+                               step.positions, T, nh, nkv, hd, kv.k(i), kv.v(i));
       trace(name + ".q", q.data(), T, nh * hd);
-      trace(name + ".k", k_new, T, nkv * hd);
-      be.attention(q.data(), kv.k(i), kv.v(i), T, pos0, nh, nkv, hd, 1.f / std::sqrt(float(hd)),
-                   attn.data());
+      be.attention(q.data(), kv.k(i), kv.v(i), T, step.positions, step.max_context, nh, nkv, hd,
+                   1.f / std::sqrt(float(hd)), attn.data());
       be.linear(l.o, attn.data(), T, proj.data());
       trace(name + ".attn_out", proj.data(), T, H);
       be.add(proj.data(), T * H, x.data());
@@ -126,13 +118,10 @@ class Qwen3Moe final : public Model {
       be.add(proj.data(), T * H, x.data());
       trace(name + ".out", x.data(), T, H);
     }
-    const int64_t first = all_logits ? 0 : T - 1, rows = T - first;
+    const int64_t first = step.all_logits ? 0 : T - 1, rows = T - first;
     be.rms_norm(x.data() + first * H, w_.final_norm, rows, H, eps, normed.data());
-    Buffer out = floats(rows * c.vocab_size);
-    be.linear(w_.lm_head, normed.data(), rows, out.data());
-    trace("logits", out.data(), rows, c.vocab_size);
-    logits.resize(size_t(rows * c.vocab_size));
-    be.copy_to_host(logits.data(), out.data(), logits.size() * sizeof(float));
+    be.linear(w_.lm_head, normed.data(), rows, step.logits);
+    trace("logits", step.logits, rows, c.vocab_size);
   }
 
  private:

@@ -1,0 +1,64 @@
+#include <algorithm>
+#include <bit>
+
+#include "core/status.h"
+#include "model/model.h"
+
+namespace nibble {
+
+void Model::forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
+                    std::vector<float>& logits) {
+  const int64_t T = int64_t(tokens.size()), vocab = config_.vocab_size;
+  NIBBLE_CHECK(T > 0, "forward: no tokens");
+  NIBBLE_CHECK(pos0 >= 0 && pos0 + T <= kv.max_tokens(), "sequence of {} tokens does not fit the "
+               "context of {} tokens", pos0 + T, kv.max_tokens());
+  for (int32_t id : tokens)
+    NIBBLE_CHECK(id >= 0 && id < vocab, "token id {} is outside the vocabulary (0..{})", id, vocab - 1);
+  std::vector<int32_t> positions(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) positions[size_t(t)] = int32_t(pos0 + t);
+  const int64_t rows = all_logits ? T : 1;
+  logits.resize(size_t(rows * vocab));
+
+  if (T > 1 || !use_graphs_ || tracer_ || !backend_.supports_graphs()) {
+    Buffer ids(backend_, size_t(T) * 4), pos(backend_, size_t(T) * 4);
+    Buffer out(backend_, size_t(rows * vocab) * 4);
+    backend_.copy_to_backend(ids.data(), tokens.data(), size_t(T) * 4);
+    backend_.copy_to_backend(pos.data(), positions.data(), size_t(T) * 4);
+    compute({ids.data<int32_t>(), pos.data<int32_t>(), T, pos0 + T, all_logits, out.data()}, kv);
+    backend_.copy_to_host(logits.data(), out.data(), logits.size() * 4);
+    return;
+  }
+  // Decode: the inputs go to fixed buffers, and the step runs as the graph recorded for this
+  // cache and context bucket (a power of two, so a 16K context records ~8 graphs).
+  if (!decode_ids_.data()) {
+    decode_ids_ = Buffer(backend_, 4);
+    decode_positions_ = Buffer(backend_, 4);
+    decode_logits_ = Buffer(backend_, size_t(vocab) * 4);
+  }
+  backend_.copy_to_backend(decode_ids_.data(), tokens.data(), 4);
+  backend_.copy_to_backend(decode_positions_.data(), positions.data(), 4);
+  const int64_t bucket = std::min<int64_t>(kv.max_tokens(), std::max<int64_t>(256, std::bit_ceil(uint64_t(pos0 + 1))));
+  const Step step{decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>(), 1, bucket, false,
+                  decode_logits_.data()};
+  const uint64_t key = (id_ << 48) ^ (kv.id() << 24) ^ uint64_t(bucket);
+  if (!backend_.replay(key)) {
+    // A first recording can fail for a passing reason (a table built on first use); a key that
+    // failed twice runs uncaptured from then on.
+    const bool give_up = std::count(capture_failures_.begin(), capture_failures_.end(), key) >= 2;
+    bool recorded = false;
+    if (!give_up) {
+      backend_.begin_capture(key);
+      compute(step, kv);
+      recorded = backend_.end_capture(key);
+    }
+    if (recorded) {
+      backend_.replay(key);
+    } else {
+      if (!give_up) capture_failures_.push_back(key);
+      compute(step, kv);
+    }
+  }
+  backend_.copy_to_host(logits.data(), decode_logits_.data(), size_t(vocab) * 4);
+}
+
+}  // namespace nibble
