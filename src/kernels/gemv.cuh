@@ -50,65 +50,18 @@ __device__ __forceinline__ void dot_word(uint32_t word, const float* xv, float s
 // acc[r][mi] += W[row0 + r] · x[mi] over all of K, for the interleaved INT4 layout. The R rows'
 // weight words are loaded first (4R independent 16-byte loads in flight), then each word position's
 // x values once for all rows.
-// Dequantised dot products of one word's 8 codes (position kc of the chunk) with x[mi].
-template <int M>
-__device__ __forceinline__ void int4_word_dot(const Int4Gemv& w, int64_t row, uint32_t word, int kc,
-                                              const float* __restrict__ x, int64_t x_stride, int m,
-                                              float (&acc)[M]) {
-  const int lane = threadIdx.x % 32;
-  float scale_by_j[8], zero_by_j[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int g = (kc + 32 * j) >> int(w.group_shift);
-    scale_by_j[j] = __half2float(w.scales[row * w.n_groups + g]);
-    zero_by_j[j] = w.zeros ? float(w.zeros[row * w.n_groups + g]) : 8.f;
-  }
-#pragma unroll
-  for (int mi = 0; mi < M; ++mi) {
-    float xv[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) xv[j] = mi < m ? x[mi * x_stride + kc + lane + 32 * j] : 0.f;
-    dot_word(word, xv, scale_by_j, zero_by_j, acc[mi]);
-  }
-}
-
-// acc[r][mi] += W[row0 + r] · x[mi] over all of K, for the interleaved INT4 layout. Memory-level
-// parallelism is what decides the speed: the words of up to 8 chunks (K = 2048) of all R rows are
-// loaded before any is used, so each lane has 2R independent 16-byte loads in flight.
 template <int M, int R>
 __device__ __forceinline__ void int4_rows_dot(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k,
                                               const float* __restrict__ x, int64_t x_stride, int m,
                                               float (&acc)[R][M]) {
   const int lane = threadIdx.x % 32;
   const int64_t row_bytes = k / 2, chunks = k / 256;
-  int64_t c0 = 0;
-  for (; c0 + 8 <= chunks; c0 += 8) {
-    uint4 v[R][2];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = row0 + r < n ? row0 + r : row0;  // rows past n: load a valid row, unused
-      const uint8_t* base = w.codes + row * row_bytes + c0 * 128;
-      v[r][0] = *reinterpret_cast<const uint4*>(base + 16 * lane);
-      v[r][1] = *reinterpret_cast<const uint4*>(base + 512 + 16 * lane);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = row0 + r < n ? row0 + r : row0;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t words[4] = {v[r][h].x, v[r][h].y, v[r][h].z, v[r][h].w};
-#pragma unroll
-        for (int wi = 0; wi < 4; ++wi)
-          int4_word_dot<M>(w, row, words[wi], int(256 * (c0 + 4 * h + wi)), x, x_stride, m, acc[r]);
-      }
-    }
-  }
-  for (; c0 < chunks; c0 += 4) {  // what is left: a group of 4 chunks, or a partial one
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
     const int words = chunks - c0 >= 4 ? 4 : int(chunks - c0);
     uint32_t wd[R][4];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int64_t row = row0 + r < n ? row0 + r : row0;
+      const int64_t row = row0 + r < n ? row0 + r : row0;  // rows past n: load a valid row, unused
       const uint8_t* base = w.codes + row * row_bytes + c0 * 128;
       if (words == 4) {
         const uint4 v = *reinterpret_cast<const uint4*>(base + 16 * lane);
@@ -120,11 +73,27 @@ __device__ __forceinline__ void int4_rows_dot(const Int4Gemv& w, int64_t row0, i
       }
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = row0 + r < n ? row0 + r : row0;
+    for (int wi = 0; wi < 4; ++wi) {
+      if (wi >= words) break;
+      const int kc = int(256 * (c0 + wi));
+      float xv[M][8];
 #pragma unroll
-      for (int wi = 0; wi < 4; ++wi)
-        if (wi < words) int4_word_dot<M>(w, row, wd[r][wi], int(256 * (c0 + wi)), x, x_stride, m, acc[r]);
+      for (int mi = 0; mi < M; ++mi)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xv[mi][j] = mi < m ? x[mi * x_stride + kc + lane + 32 * j] : 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = row0 + r < n ? row0 + r : row0;
+        float scale_by_j[8], zero_by_j[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int g = (kc + 32 * j) >> int(w.group_shift);
+          scale_by_j[j] = __half2float(w.scales[row * w.n_groups + g]);
+          zero_by_j[j] = w.zeros ? float(w.zeros[row * w.n_groups + g]) : 8.f;
+        }
+#pragma unroll
+        for (int mi = 0; mi < M; ++mi) dot_word(wd[r][wi], xv[mi], scale_by_j, zero_by_j, acc[r][mi]);
+      }
     }
   }
 }
@@ -251,65 +220,25 @@ __global__ void moe_gate_up_int4_kernel(const Int4Gemv* __restrict__ gate, const
 }
 
 // MoE decode, stage 2: out[t, :] = Σ_s weight[t, s] · (down_e · act[t, s]), every slot of a token
-// summed by the one warp that owns the output rows: no atomics, deterministic. The experts' rows
-// are short (K = inter, 768 for Qwen3-30B-A3B: three 4-byte words per lane), so the words of all
-// slots are loaded before any is used, to keep enough bytes in flight.
-template <int R, int kSlots>
+// summed by the one warp that owns the output rows: no atomics, deterministic.
+template <int R>
 __global__ void moe_down_int4_kernel(const Int4Gemv* __restrict__ down, const int32_t* __restrict__ ids,
                                      const float* __restrict__ weights, const float* __restrict__ act,
                                      float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden) {
   const int64_t t = blockIdx.y;
   const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
   if (row0 >= hidden) return;
-  const int lane = threadIdx.x % 32;
-  const int64_t chunks = inter / 256, row_bytes = inter / 2;
-  if (top_k > kSlots || chunks > 4) {  // shapes outside the preloading scheme: slot by slot
-    float total[R] = {};
-    for (int64_t s = 0; s < top_k; ++s) {
-      const int64_t slot = t * top_k + s;
-      float acc[R][1] = {};
-      int4_rows_dot<1, R>(down[ids[slot]], row0, hidden, inter, act + slot * inter, inter, 1, acc);
-#pragma unroll
-      for (int r = 0; r < R; ++r) total[r] += weights[slot] * warp_sum(acc[r][0]);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (lane == 0 && row0 + r < hidden) out[t * hidden + row0 + r] = total[r];
-    return;
-  }
-  const int words = int(chunks);
-  uint32_t wd[kSlots][R][4];
-#pragma unroll
-  for (int s = 0; s < kSlots; ++s) {
-    if (s >= top_k) break;
-    const Int4Gemv& w = down[ids[t * top_k + s]];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = row0 + r < hidden ? row0 + r : row0;
-      const uint32_t* base = reinterpret_cast<const uint32_t*>(w.codes + row * row_bytes);
-#pragma unroll
-      for (int wi = 0; wi < 4; ++wi) wd[s][r][wi] = wi < words ? base[lane * words + wi] : 0u;
-    }
-  }
   float total[R] = {};
-#pragma unroll
-  for (int s = 0; s < kSlots; ++s) {
-    if (s >= top_k) break;
+  for (int64_t s = 0; s < top_k; ++s) {
     const int64_t slot = t * top_k + s;
-    const Int4Gemv& w = down[ids[slot]];
+    float acc[R][1] = {};
+    int4_rows_dot<1, R>(down[ids[slot]], row0, hidden, inter, act + slot * inter, inter, 1, acc);
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = row0 + r < hidden ? row0 + r : row0;
-      float acc[1] = {0.f};
-#pragma unroll
-      for (int wi = 0; wi < 4; ++wi)
-        if (wi < words) int4_word_dot<1>(w, row, wd[s][r][wi], 256 * wi, act + slot * inter, inter, 1, acc);
-      total[r] += weights[slot] * warp_sum(acc[0]);
-    }
+    for (int r = 0; r < R; ++r) total[r] += weights[slot] * warp_sum(acc[r][0]);
   }
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    if (lane == 0 && row0 + r < hidden) out[t * hidden + row0 + r] = total[r];
+    if (threadIdx.x % 32 == 0 && row0 + r < hidden) out[t * hidden + row0 + r] = total[r];
 }
 
 // Row-major INT4 codes [n][k/2] -> the interleaved layout above; one thread per output word.

@@ -54,8 +54,8 @@ constexpr int kGemvWarps = 4;
 template <typename Launch>
 void gemv_dispatch(int64_t m, int64_t n, Launch&& launch) {
   auto grid = [&](int rows) { return blocks_for((n + rows - 1) / rows, kGemvWarps); };
-  if (m == 1 && n >= 2048)
-    launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, grid(2));
+  if (m == 1 && n >= 8192)
+    launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{}, grid(4));
   else if (m == 1)
     launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, grid(1));
   else if (m == 2)
@@ -114,7 +114,7 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
   const dim3 grid1(blocks_for((inter + kRows - 1) / kRows, kGemvWarps), unsigned(m * top_k));
   kernels::moe_gate_up_int4_kernel<kRows><<<grid1, 32 * kGemvWarps>>>(g, u, ids, x, act, top_k, inter, hidden);
   const dim3 grid2(blocks_for((hidden + kRows - 1) / kRows, kGemvWarps), unsigned(m));
-  kernels::moe_down_int4_kernel<kRows, 8><<<grid2, 32 * kGemvWarps>>>(d, ids, weights, act, out, top_k, inter, hidden);
+  kernels::moe_down_int4_kernel<kRows><<<grid2, 32 * kGemvWarps>>>(d, ids, weights, act, out, top_k, inter, hidden);
 }
 
 int64_t attention_split_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim) {
