@@ -268,8 +268,9 @@ TEST_F(OpsTest, MoeRoute) {
 }
 
 TEST_F(OpsTest, MoeBlock) {
-  // 96/48: shapes only the exact kernels take; 512/256: the fused decode path (m <= 8, INT4).
-  for (auto [H, inter] : {std::pair<int64_t, int64_t>{96, 48}, {512, 256}})
+  // 96/48: shapes only the exact kernels take; 512/256 and 1024/768 (the down projection has three
+  // chunks per row, as in Qwen3-30B-A3B): the fused decode path (m <= 8, INT4).
+  for (auto [H, inter] : {std::pair<int64_t, int64_t>{96, 48}, {512, 256}, {1024, 768}})
   for (WeightFormat f : {WeightFormat::kBF16, WeightFormat::kInt4}) {
     const int64_t E = 16;
     for (int64_t m : {1, 3, 8, 40}) {
