@@ -35,22 +35,37 @@ struct Int4Gemv {
   int64_t n_groups;
 };
 
-// Dequantised dot products of 8 codes (one word, position `word_pos` of chunk c) with x held in
-// registers xv[j] = x[256c + lane + 32j], added into acc.
-__device__ __forceinline__ void dot_word(uint32_t word, const float* xv, float scale_by_j[8],
-                                         float zero_by_j[8], float& acc) {
+// The 8 codes of one word (position kc of its chunk) times x, scales factored out of the sum:
+// with CPG codes per group (G / 32, at most 8), the codes of a group are dequantised against
+// their zero point only (two integer ops, one add, one fma per code) and the group's partial sum is
+// scaled once. The nibble becomes a float without a conversion: 0x4B000000 | q is 2^23 + q.
+template <int M, int CPG>
+__device__ __forceinline__ void int4_word_dot(const Int4Gemv& w, int64_t row, uint32_t word, int kc,
+                                              const float (&xv)[M][8], float (&acc)[M]) {
+  const int g0 = kc >> int(w.group_shift);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    // 0x4B000000 | q is the float 2^23 + q: the nibble becomes a float without a conversion.
-    const float q = __int_as_float(0x4B000000 | ((word >> (4 * j)) & 0xF)) - 8388608.f;
-    acc = fmaf((q - zero_by_j[j]) * scale_by_j[j], xv[j], acc);
+  for (int gi = 0; gi < 8 / CPG; ++gi) {
+    const int64_t g = row * w.n_groups + g0 + gi;
+    const float offset = 8388608.f + (w.zeros ? float(w.zeros[g]) : 8.f);
+    const float scale = __half2float(w.scales[g]);
+    float q[CPG];
+#pragma unroll
+    for (int c = 0; c < CPG; ++c)
+      q[c] = __int_as_float(0x4B000000 | ((word >> (4 * (gi * CPG + c))) & 0xF)) - offset;
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi) {
+      float part = 0.f;
+#pragma unroll
+      for (int c = 0; c < CPG; ++c) part = fmaf(q[c], xv[mi][gi * CPG + c], part);
+      acc[mi] = fmaf(scale, part, acc[mi]);
+    }
   }
 }
 
 // acc[r][mi] += W[row0 + r] · x[mi] over all of K, for the interleaved INT4 layout. The R rows'
-// weight words are loaded first (4R independent 16-byte loads in flight), then each word position's
+// weight words are loaded first (R independent 16-byte loads in flight), then each word position's
 // x values once for all rows.
-template <int M, int R>
+template <int M, int R, int CPG>
 __device__ __forceinline__ void int4_rows_dot(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k,
                                               const float* __restrict__ x, int64_t x_stride, int m,
                                               float (&acc)[R][M]) {
@@ -82,18 +97,8 @@ __device__ __forceinline__ void int4_rows_dot(const Int4Gemv& w, int64_t row0, i
 #pragma unroll
         for (int j = 0; j < 8; ++j) xv[mi][j] = mi < m ? x[mi * x_stride + kc + lane + 32 * j] : 0.f;
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = row0 + r < n ? row0 + r : row0;
-        float scale_by_j[8], zero_by_j[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int g = (kc + 32 * j) >> int(w.group_shift);
-          scale_by_j[j] = __half2float(w.scales[row * w.n_groups + g]);
-          zero_by_j[j] = w.zeros ? float(w.zeros[row * w.n_groups + g]) : 8.f;
-        }
-#pragma unroll
-        for (int mi = 0; mi < M; ++mi) dot_word(wd[r][wi], xv[mi], scale_by_j, zero_by_j, acc[r][mi]);
-      }
+      for (int r = 0; r < R; ++r)
+        int4_word_dot<M, CPG>(w, row0 + r < n ? row0 + r : row0, wd[r][wi], kc, xv, acc[r]);
     }
   }
 }
@@ -177,13 +182,13 @@ __device__ __forceinline__ void store_rows(float (&acc)[R][M], int64_t row0, int
 }
 
 // y[m, n] = x[m, k] · Wᵀ (+ b) for m <= M activation rows.
-template <int M, int R>
+template <int M, int R, int CPG>
 __global__ void gemv_int4_kernel(Int4Gemv w, const float* __restrict__ bias, const float* __restrict__ x,
                                  float* __restrict__ y, int m, int64_t n, int64_t k) {
   const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
   if (row0 >= n) return;
   float acc[R][M] = {};
-  int4_rows_dot<M, R>(w, row0, n, k, x, k, m, acc);
+  int4_rows_dot<M, R, CPG>(w, row0, n, k, x, k, m, acc);
   store_rows<M, R>(acc, row0, n, m, bias, y, n);
 }
 
@@ -200,7 +205,7 @@ __global__ void gemv_dense_kernel(const void* __restrict__ w, const float* __res
 
 // MoE decode, stage 1: for token t and slot s (expert e = ids[t, s]), act[t, s, :] =
 // silu(gate_e · x_t) * (up_e · x_t). A warp computes R rows of gate and the same R rows of up.
-template <int R>
+template <int R, int CPG>
 __global__ void moe_gate_up_int4_kernel(const Int4Gemv* __restrict__ gate, const Int4Gemv* __restrict__ up,
                                         const int32_t* __restrict__ ids, const float* __restrict__ x,
                                         float* __restrict__ act, int64_t top_k, int64_t inter, int64_t hidden) {
@@ -210,8 +215,8 @@ __global__ void moe_gate_up_int4_kernel(const Int4Gemv* __restrict__ gate, const
   const int32_t e = ids[slot];
   const float* xt = x + (slot / top_k) * hidden;
   float g[R][1] = {}, u[R][1] = {};
-  int4_rows_dot<1, R>(gate[e], row0, inter, hidden, xt, hidden, 1, g);
-  int4_rows_dot<1, R>(up[e], row0, inter, hidden, xt, hidden, 1, u);
+  int4_rows_dot<1, R, CPG>(gate[e], row0, inter, hidden, xt, hidden, 1, g);
+  int4_rows_dot<1, R, CPG>(up[e], row0, inter, hidden, xt, hidden, 1, u);
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const float gs = warp_sum(g[r][0]), us = warp_sum(u[r][0]);
@@ -219,26 +224,35 @@ __global__ void moe_gate_up_int4_kernel(const Int4Gemv* __restrict__ gate, const
   }
 }
 
-// MoE decode, stage 2: out[t, :] = Σ_s weight[t, s] · (down_e · act[t, s]), every slot of a token
-// summed by the one warp that owns the output rows: no atomics, deterministic.
-template <int R>
+// MoE decode, stage 2: out[t, :] = Σ_s weight[t, s] · (down_e · act[t, s]). A block owns R output
+// rows of one token and has one warp per slot (top_k <= kMoeDownSlots), so all slots' weights
+// stream in parallel; the slots' partial sums meet in shared memory and are added in slot order:
+// no atomics, deterministic.
+constexpr int kMoeDownSlots = 8;
+
+template <int R, int CPG>
 __global__ void moe_down_int4_kernel(const Int4Gemv* __restrict__ down, const int32_t* __restrict__ ids,
                                      const float* __restrict__ weights, const float* __restrict__ act,
                                      float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden) {
-  const int64_t t = blockIdx.y;
-  const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
-  if (row0 >= hidden) return;
-  float total[R] = {};
-  for (int64_t s = 0; s < top_k; ++s) {
+  __shared__ float partial[kMoeDownSlots][R];
+  const int64_t t = blockIdx.y, row0 = int64_t(blockIdx.x) * R;
+  const int s = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (s < top_k) {
     const int64_t slot = t * top_k + s;
     float acc[R][1] = {};
-    int4_rows_dot<1, R>(down[ids[slot]], row0, hidden, inter, act + slot * inter, inter, 1, acc);
+    int4_rows_dot<1, R, CPG>(down[ids[slot]], row0, hidden, inter, act + slot * inter, inter, 1, acc);
 #pragma unroll
-    for (int r = 0; r < R; ++r) total[r] += weights[slot] * warp_sum(acc[r][0]);
+    for (int r = 0; r < R; ++r) {
+      const float v = warp_sum(acc[r][0]);
+      if (lane == 0) partial[s][r] = weights[slot] * v;
+    }
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-    if (threadIdx.x % 32 == 0 && row0 + r < hidden) out[t * hidden + row0 + r] = total[r];
+  __syncthreads();
+  if (threadIdx.x < R && row0 + threadIdx.x < hidden) {
+    float total = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) total += partial[j][threadIdx.x];
+    out[t * hidden + row0 + threadIdx.x] = total;
+  }
 }
 
 // Row-major INT4 codes [n][k/2] -> the interleaved layout above; one thread per output word.

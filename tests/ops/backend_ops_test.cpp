@@ -134,7 +134,8 @@ TEST_F(OpsTest, Linear) {
   // layouts: K a multiple of 1024 (whole 16-byte groups), 768 (a partial group of 3 chunks).
   for (Format f : {Format{WeightFormat::kF32, 0, "f32"}, Format{WeightFormat::kF16, 0, "f16"},
                    Format{WeightFormat::kBF16, 0, "bf16"}, Format{WeightFormat::kInt4, 32, "int4-g32"},
-                   Format{WeightFormat::kInt4, 128, "int4-g128"}, Format{WeightFormat::kInt4, 128, "int4-g128-sym", true},
+                   Format{WeightFormat::kInt4, 64, "int4-g64"}, Format{WeightFormat::kInt4, 128, "int4-g128"},
+                   Format{WeightFormat::kInt4, 128, "int4-g128-sym", true},
                    Format{WeightFormat::kInt4, -1, "int4-channel"}}) {
     for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 96}, {200, 328}, {8, 2048}, {1000, 40}, {4096, 2048},
                         {2048, 768}, {9000, 256}}) {

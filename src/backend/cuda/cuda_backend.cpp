@@ -319,13 +319,13 @@ class CudaBackend final : public Backend {
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
     linear(w.router, x, m, logits.data());
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
-    if (const ExpertTables* tables = expert_tables(w); tables && m <= cuda::kGemvMaxM) {
+    if (const ExpertTables* tables = expert_tables(w); tables && m <= cuda::kGemvMaxM && K <= cuda::kMoeDecodeMaxTopK) {
       // Decode: routing stays on the device; two launches cover every selected expert.
       const int64_t inter = w.experts[0].gate.n;
       Buffer act(*this, size_t(m * K * inter) * 4);
       cuda::moe_decode_int4(tables->gate.data<cuda::Int4Device>(), tables->up.data<cuda::Int4Device>(),
-                            tables->down.data<cuda::Int4Device>(), ids.data<int32_t>(), weights.data(), x,
-                            act.data(), out, m, K, inter, H);
+                            tables->down.data<cuda::Int4Device>(), tables->group_shift, ids.data<int32_t>(),
+                            weights.data(), x, act.data(), out, m, K, inter, H);
       CUDA_CHECK_LAUNCH("moe_decode_int4");
       return;
     }
@@ -423,6 +423,7 @@ class CudaBackend final : public Backend {
   // interleaved INT4 of one shape.
   struct ExpertTables {
     bool usable = false;
+    int64_t group_shift = 0;
     Buffer gate, up, down;
   };
   const ExpertTables* expert_tables(const MoeWeights& w) {
@@ -440,13 +441,15 @@ class CudaBackend final : public Backend {
     for (const MlpWeights& e : w.experts) {
       for (const LinearWeight* l : {&e.gate, &e.up, &e.down})
         if (l->format != WeightFormat::kInt4 || l->int4.layout != Int4Layout::kWarpInterleaved ||
-            l->n != (l == &e.down ? w.router.k : w.experts[0].gate.n))
+            l->n != (l == &e.down ? w.router.k : w.experts[0].gate.n) ||
+            int4_device(*l).group_shift != int4_device(w.experts[0].gate).group_shift)
           return nullptr;
       gate.push_back(int4_device(e.gate));
       up.push_back(int4_device(e.up));
       down.push_back(int4_device(e.down));
     }
     tables->usable = true;
+    tables->group_shift = int4_device(w.experts[0].gate).group_shift;
     auto to_device = [&](const std::vector<cuda::Int4Device>& v) {
       Buffer b(*this, v.size() * sizeof(cuda::Int4Device));
       copy_to_backend(b.data(), v.data(), v.size() * sizeof(cuda::Int4Device));

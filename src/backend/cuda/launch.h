@@ -39,11 +39,12 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
 void gemv_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
                 int64_t n, int64_t k);
 // MoE decode for m <= kGemvMaxM tokens with device-side routing (ids/weights [m, top_k]): the
-// tables hold each expert's gate/up/down matrix (device arrays of Int4Device, n_experts long);
-// act is scratch [m * top_k, inter].
+// tables hold each expert's gate/up/down matrix (device arrays of Int4Device, n_experts long),
+// all with the same group_shift; act is scratch [m * top_k, inter]. top_k <= kMoeDecodeMaxTopK.
+constexpr int64_t kMoeDecodeMaxTopK = 8;
 void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down,
-                     const int32_t* ids, const float* weights, const float* x, float* act, float* out,
-                     int64_t m, int64_t top_k, int64_t inter, int64_t hidden);
+                     int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
+                     float* act, float* out, int64_t m, int64_t top_k, int64_t inter, int64_t hidden);
 // Split-K attention; partial is scratch of attention_split_floats(...) floats.
 int64_t attention_split_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim);
 void attention_split(const float* q, const float* k, const float* v, float* partial, float* out,

@@ -91,11 +91,26 @@ void int4_interleave(const uint8_t* src, uint8_t* dst, int64_t n, int64_t k) {
   kernels::int4_interleave_kernel<<<blocks_for(n * k / 8, 256), 256>>>(src, dst, n, k);
 }
 
+// Codes per group within one 8-code word, a template parameter of the INT4 kernels.
+template <typename Fn>
+void dispatch_cpg(int64_t group_shift, Fn&& fn) {
+  if (group_shift >= 8)
+    fn(std::integral_constant<int, 8>{});
+  else if (group_shift == 7)
+    fn(std::integral_constant<int, 4>{});
+  else if (group_shift == 6)
+    fn(std::integral_constant<int, 2>{});
+  else
+    fn(std::integral_constant<int, 1>{});
+}
+
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k) {
   const kernels::Int4Gemv kw = to_kernel(w);
-  gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
-    kernels::gemv_int4_kernel<M.value, R.value><<<grid, 32 * kGemvWarps>>>(kw, bias, x, y, int(m), n, k);
+  dispatch_cpg(w.group_shift, [&](auto CPG) {
+    gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
+      kernels::gemv_int4_kernel<M.value, R.value, CPG.value><<<grid, 32 * kGemvWarps>>>(kw, bias, x, y, int(m), n, k);
+    });
   });
 }
 
@@ -105,16 +120,19 @@ void gemv_dense(Dense type, const void* w, const float* bias, const float* x, fl
 }
 
 void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down,
-                     const int32_t* ids, const float* weights, const float* x, float* act, float* out,
-                     int64_t m, int64_t top_k, int64_t inter, int64_t hidden) {
+                     int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
+                     float* act, float* out, int64_t m, int64_t top_k, int64_t inter, int64_t hidden) {
   constexpr int kRows = 2;
   const auto* g = reinterpret_cast<const kernels::Int4Gemv*>(gate);
   const auto* u = reinterpret_cast<const kernels::Int4Gemv*>(up);
   const auto* d = reinterpret_cast<const kernels::Int4Gemv*>(down);
-  const dim3 grid1(blocks_for((inter + kRows - 1) / kRows, kGemvWarps), unsigned(m * top_k));
-  kernels::moe_gate_up_int4_kernel<kRows><<<grid1, 32 * kGemvWarps>>>(g, u, ids, x, act, top_k, inter, hidden);
-  const dim3 grid2(blocks_for((hidden + kRows - 1) / kRows, kGemvWarps), unsigned(m));
-  kernels::moe_down_int4_kernel<kRows><<<grid2, 32 * kGemvWarps>>>(d, ids, weights, act, out, top_k, inter, hidden);
+  dispatch_cpg(group_shift, [&](auto CPG) {
+    const dim3 grid1(blocks_for((inter + kRows - 1) / kRows, kGemvWarps), unsigned(m * top_k));
+    kernels::moe_gate_up_int4_kernel<kRows, CPG.value><<<grid1, 32 * kGemvWarps>>>(g, u, ids, x, act, top_k, inter, hidden);
+    const dim3 grid2(unsigned((hidden + kRows - 1) / kRows), unsigned(m));
+    kernels::moe_down_int4_kernel<kRows, CPG.value><<<grid2, 32 * kernels::kMoeDownSlots>>>(d, ids, weights, act, out,
+                                                                                           top_k, inter, hidden);
+  });
 }
 
 int64_t attention_split_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim) {
