@@ -79,6 +79,9 @@ class Backend {
   virtual void moe(const MoeWeights& w, const float* x, int64_t m, float* out) = 0;
   // y[i] += x[i]
   virtual void add(const float* x, int64_t count, float* y) = 0;
+  // The residual add fused with the next norm: x[r] += delta[r], then out[r] = rms_norm(x[r]) * w.
+  virtual void add_rms_norm(const float* delta, float* x, const WeightVector& w, int64_t rows,
+                            int64_t dim, float eps, float* out) = 0;
 
   // Graphs: a decode step recorded once and replayed (CUDA graphs remove the launch overhead of
   // hundreds of small kernels). Between begin_capture and end_capture ops are recorded, not run;

@@ -8,13 +8,28 @@
 
 namespace nibble::kernels {
 
-__global__ void rms_norm_block_kernel(const float* __restrict__ x, const float* __restrict__ w,
+// With `delta`, the residual add comes first: x += delta (written back), then the norm of x.
+// A decode step's rows are single blocks on one SM, so the block is wide (1024 threads) and each
+// thread holds its few elements in registers between the two passes.
+constexpr int kNormMaxPerThread = 8;  // dim <= 8192 with 1024 threads
+
+__global__ void rms_norm_block_kernel(const float* __restrict__ x_in, const float* __restrict__ delta,
+                                      float* __restrict__ x_out, const float* __restrict__ w,
                                       float* __restrict__ y, int64_t dim, float eps) {
   __shared__ float partial[32];
-  const float* xr = x + int64_t(blockIdx.x) * dim;
-  float* yr = y + int64_t(blockIdx.x) * dim;
+  const int64_t base = int64_t(blockIdx.x) * dim;
+  float v[kNormMaxPerThread];
   float ss = 0.f;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+#pragma unroll
+  for (int j = 0; j < kNormMaxPerThread; ++j) {
+    const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+    v[j] = 0.f;
+    if (i < dim) {
+      v[j] = x_in[base + i] + (delta ? delta[base + i] : 0.f);
+      if (delta) x_out[base + i] = v[j];
+    }
+    ss += v[j] * v[j];
+  }
   ss = warp_sum(ss);
   if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
   __syncthreads();
@@ -25,7 +40,11 @@ __global__ void rms_norm_block_kernel(const float* __restrict__ x, const float* 
   }
   __syncthreads();
   const float inv = rsqrtf(partial[0] / float(dim) + eps);
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = xr[i] * inv * (w ? w[i] : 1.f);
+#pragma unroll
+  for (int j = 0; j < kNormMaxPerThread; ++j) {
+    const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+    if (i < dim) y[base + i] = v[j] * inv * (w ? w[i] : 1.f);
+  }
 }
 
 // The attention prologue in one launch: block (token, head) over q heads then kv heads. One warp

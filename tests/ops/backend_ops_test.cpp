@@ -172,6 +172,15 @@ TEST_F(OpsTest, EmbedNormRopeElementwise) {
     float* out = poisoned_gpu(rows * dim);
     gpu_->rms_norm(on_gpu(x), gpu_->upload(w), rows, dim, 1e-6f, out);
     expect_close(to_host(out, rows * dim), want, fmt::format("rms_norm {}x{}", rows, dim));
+    // Fused with the residual add before it: both the updated residual and the norm.
+    auto delta = random(rows * dim, 3.f);
+    std::vector<float> want_x = x, want_norm(x.size());
+    cpu_->add_rms_norm(delta.data(), want_x.data(), w, rows, dim, 1e-6f, want_norm.data());
+    float* dx = on_gpu(x);
+    float* dn = poisoned_gpu(rows * dim);
+    gpu_->add_rms_norm(on_gpu(delta), dx, gpu_->upload(w), rows, dim, 1e-6f, dn);
+    expect_close(to_host(dx, rows * dim), want_x, fmt::format("add_rms_norm residual {}x{}", rows, dim));
+    expect_close(to_host(dn, rows * dim), want_norm, fmt::format("add_rms_norm norm {}x{}", rows, dim));
   }
   // The attention prologue: q/k per-head norm (or none), RoPE at arbitrary positions, KV write.
   for (const char* rope_type : {"default", "yarn"}) {

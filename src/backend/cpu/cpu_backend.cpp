@@ -236,6 +236,12 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void add_rms_norm(const float* delta, float* x, const WeightVector& w, int64_t rows, int64_t dim,
+                    float eps, float* out) override {
+    add(delta, rows * dim, x);
+    rms_norm(x, w, rows, dim, eps, out);
+  }
+
   void add(const float* x, int64_t count, float* y) override {
     for (int64_t i = 0; i < count; ++i) y[i] += x[i];
   }

@@ -263,8 +263,17 @@ class CudaBackend final : public Backend {
   void rms_norm(const float* x, const WeightVector& w, int64_t rows, int64_t dim, float eps,
                 float* out) override {
     OpProfiler::Scope scope(profiler_, "rms_norm");
-    cuda::rms_norm(x, w.data, out, rows, dim, eps);
+    NIBBLE_CHECK(dim <= cuda::kNormMaxDim, "rms_norm: dim {} exceeds {}", dim, cuda::kNormMaxDim);
+    cuda::rms_norm(x, nullptr, nullptr, w.data, out, rows, dim, eps);
     CUDA_CHECK_LAUNCH("rms_norm");
+  }
+
+  void add_rms_norm(const float* delta, float* x, const WeightVector& w, int64_t rows, int64_t dim,
+                    float eps, float* out) override {
+    OpProfiler::Scope scope(profiler_, "add_rms_norm");
+    NIBBLE_CHECK(dim <= cuda::kNormMaxDim, "rms_norm: dim {} exceeds {}", dim, cuda::kNormMaxDim);
+    cuda::rms_norm(x, delta, x, w.data, out, rows, dim, eps);
+    CUDA_CHECK_LAUNCH("add_rms_norm");
   }
 
   void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new,

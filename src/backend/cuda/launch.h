@@ -51,7 +51,10 @@ void attention_split(const float* q, const float* k, const float* v, float* part
                      int64_t m, const int32_t* positions, int64_t max_context, int64_t n_head,
                      int64_t n_head_kv, int64_t head_dim, float scale);
 void embed(Dense type, const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out);
-void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, float eps);
+// delta non-null: x += delta first (the fused residual add). dim <= kNormMaxDim.
+constexpr int64_t kNormMaxDim = 8192;
+void rms_norm(const float* x, const float* delta, float* x_out, const float* w, float* y, int64_t rows,
+              int64_t dim, float eps);
 void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new, const float* q_norm,
                            const float* k_norm, float eps, const float* inv_freq, float attention_factor,
                            const int32_t* positions, int64_t m, int64_t n_head, int64_t n_head_kv,

@@ -161,8 +161,11 @@ void embed(Dense type, const void* table, const int32_t* ids, int64_t m, int64_t
   dispatch_dense<Embed>(type, table, ids, m, dim, out);
 }
 
-void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t dim, float eps) {
-  kernels::rms_norm_block_kernel<<<unsigned(rows), 256>>>(x, w, y, dim, eps);
+void rms_norm(const float* x, const float* delta, float* x_out, const float* w, float* y, int64_t rows,
+              int64_t dim, float eps) {
+  static_assert(kNormMaxDim == 1024 * kernels::kNormMaxPerThread);
+  const int threads = int(std::min<int64_t>(1024, (dim + 31) / 32 * 32));
+  kernels::rms_norm_block_kernel<<<unsigned(rows), threads>>>(x, delta, x_out, w, y, dim, eps);
 }
 
 void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new, const float* q_norm,

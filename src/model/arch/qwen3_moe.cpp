@@ -88,10 +88,12 @@ class Qwen3Moe final : public Model {
     Buffer attn = floats(T * nh * hd), proj = floats(T * H);
     be.embed(w_.embed, step.ids, T, x.data());
     trace("embed", x.data(), T, H);
+    // Each residual add is fused with the norm that follows it; `normed` enters every layer
+    // holding its input norm.
+    be.rms_norm(x.data(), w_.layers[0].input_norm, T, H, eps, normed.data());
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const LayerWeights& l = w_.layers[size_t(i)];
       const std::string name = "layers." + std::to_string(i);
-      be.rms_norm(x.data(), l.input_norm, T, H, eps, normed.data());
       be.linear(l.q, normed.data(), T, q.data());
       be.linear(l.k, normed.data(), T, k_new.data());
       be.linear(l.v, normed.data(), T, v_new.data());
@@ -102,8 +104,7 @@ class Qwen3Moe final : public Model {
                    1.f / std::sqrt(float(hd)), attn.data());
       be.linear(l.o, attn.data(), T, proj.data());
       trace(name + ".attn_out", proj.data(), T, H);
-      be.add(proj.data(), T * H, x.data());
-      be.rms_norm(x.data(), l.post_attention_norm, T, H, eps, normed.data());
+      be.add_rms_norm(proj.data(), x.data(), l.post_attention_norm, T, H, eps, normed.data());
       if (l.is_moe) {
         be.moe(l.moe, normed.data(), T, proj.data());
       } else {
@@ -115,12 +116,13 @@ class Qwen3Moe final : public Model {
         be.linear(l.mlp.down, gate.data(), T, proj.data());
       }
       trace(name + ".mlp_out", proj.data(), T, H);
-      be.add(proj.data(), T * H, x.data());
+      const bool last = i + 1 == c.num_hidden_layers;
+      be.add_rms_norm(proj.data(), x.data(), last ? w_.final_norm : w_.layers[size_t(i + 1)].input_norm, T,
+                      H, eps, normed.data());
       trace(name + ".out", x.data(), T, H);
     }
     const int64_t first = step.all_logits ? 0 : T - 1, rows = T - first;
-    be.rms_norm(x.data() + first * H, w_.final_norm, rows, H, eps, normed.data());
-    be.linear(w_.lm_head, normed.data(), rows, step.logits);
+    be.linear(w_.lm_head, normed.data() + first * H, rows, step.logits);
     trace("logits", step.logits, rows, c.vocab_size);
   }
 
