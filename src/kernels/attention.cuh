@@ -130,6 +130,87 @@ __global__ void attention_split_kernel(const float* __restrict__ q, const float*
   }
 }
 
+// The same split-K attention with GQA sharing: block (token, kv head, split) computes all G q
+// heads that read this kv head, so each K and V row is loaded once for all of them instead of once
+// per q head. Lane l holds dims l + 32 j of every head's q and accumulator. Writes the same
+// partials as attention_split_kernel (one per q head and split).
+template <int G>
+__global__ void attention_split_gqa_kernel(const float* __restrict__ q, const float* __restrict__ k,
+                                           const float* __restrict__ v, float* __restrict__ partial,
+                                           const int32_t* __restrict__ positions, int64_t n_head,
+                                           int64_t n_head_kv, int64_t head_dim, float scale, int64_t n_splits) {
+  constexpr int kPerLane = kAttentionMaxHeadDim / 64;  // head_dim <= 128 here
+  __shared__ float s_max[kAttentionSplitWarps][G], s_sum[kAttentionSplitWarps][G];
+  __shared__ float s_acc[kAttentionSplitWarps][G][kAttentionMaxHeadDim / 2];
+  const int64_t t = blockIdx.x / n_head_kv, kv = blockIdx.x % n_head_kv, split = blockIdx.y;
+  const int64_t group = n_head / n_head_kv;  // q heads kv * group .. + group - 1
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t n_ctx = int64_t(positions[t]) + 1;
+  const int64_t begin = split * kAttentionSplit, end = min(n_ctx, begin + kAttentionSplit);
+  float qv[G][kPerLane], acc[G][kPerLane], running_max[G], running_sum[G];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    running_max[h] = -INFINITY;
+    running_sum[h] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t d = lane + 32 * j;
+      qv[h][j] = h < group && d < head_dim ? q[((t * n_head) + kv * group + h) * head_dim + d] * scale : 0.f;
+      acc[h][j] = 0.f;
+    }
+  }
+  for (int64_t pos = begin + warp; pos < end; pos += kAttentionSplitWarps) {
+    const float* kp = k + (pos * n_head_kv + kv) * head_dim;
+    const float* vp = v + (pos * n_head_kv + kv) * head_dim;
+    float kr[kPerLane], vr[kPerLane];
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t d = lane + 32 * j;
+      kr[j] = d < head_dim ? kp[d] : 0.f;
+      vr[j] = d < head_dim ? vp[d] : 0.f;
+    }
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float dot = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) dot += qv[h][j] * kr[j];
+      const float score = warp_sum(dot);
+      const float new_max = fmaxf(running_max[h], score);
+      const float correction = expf(running_max[h] - new_max), p = expf(score - new_max);
+      running_sum[h] = running_sum[h] * correction + p;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) acc[h][j] = acc[h][j] * correction + p * vr[j];
+      running_max[h] = new_max;
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    if (lane == 0) s_max[warp][h] = running_max[h], s_sum[warp][h] = running_sum[h];
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j)
+      if (lane + 32 * j < head_dim) s_acc[warp][h][lane + 32 * j] = acc[h][j];
+  }
+  __syncthreads();
+  for (int64_t h = 0; h < group && h < G; ++h) {
+    float* out = partial + (((t * n_head) + kv * group + h) * n_splits + split) * (head_dim + 2);
+    float block_max = -INFINITY;
+    for (int w = 0; w < kAttentionSplitWarps; ++w) block_max = fmaxf(block_max, s_max[w][h]);
+    for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+      float o = 0.f;
+      for (int w = 0; w < kAttentionSplitWarps; ++w)
+        if (s_sum[w][h] > 0.f) o += s_acc[w][h][d] * expf(s_max[w][h] - block_max);
+      out[2 + d] = o;
+    }
+    if (threadIdx.x == 0) {
+      float sum = 0.f;
+      for (int w = 0; w < kAttentionSplitWarps; ++w)
+        if (s_sum[w][h] > 0.f) sum += s_sum[w][h] * expf(s_max[w][h] - block_max);
+      out[0] = block_max;
+      out[1] = sum;
+    }
+  }
+}
+
 __global__ void attention_merge_kernel(const float* __restrict__ partial, float* __restrict__ out,
                                        int64_t m_heads, int64_t head_dim, int64_t n_splits) {
   const int64_t pair = blockIdx.x;

@@ -1,5 +1,6 @@
 // Launch configurations of the reference CUDA kernels (kernels/*.cuh); see launch.h.
 #include <algorithm>
+#include <type_traits>
 
 #include "backend/cuda/launch.h"
 #include "kernels/attention.cuh"
@@ -144,9 +145,25 @@ void attention_split(const float* q, const float* k, const float* v, float* part
                      int64_t m, const int32_t* positions, int64_t max_context, int64_t n_head,
                      int64_t n_head_kv, int64_t head_dim, float scale) {
   const int64_t n_splits = (max_context + kernels::kAttentionSplit - 1) / kernels::kAttentionSplit;
-  const dim3 grid(unsigned(m * n_head), unsigned(n_splits));
-  kernels::attention_split_kernel<<<grid, 32 * kernels::kAttentionSplitWarps>>>(
-      q, k, v, partial, positions, n_head, n_head_kv, head_dim, scale, n_splits);
+  const int64_t group = n_head / n_head_kv;
+  // GQA groups of up to 8 heads (Qwen3-30B-A3B: 32 / 4) share each K/V row read; head_dim <= 128.
+  auto gqa = [&](auto G) {
+    const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
+    kernels::attention_split_gqa_kernel<G.value><<<grid, 32 * kernels::kAttentionSplitWarps>>>(
+        q, k, v, partial, positions, n_head, n_head_kv, head_dim, scale, n_splits);
+  };
+  if (head_dim <= kernels::kAttentionMaxHeadDim / 2 && group > 1 && group <= 8) {
+    if (group <= 2)
+      gqa(std::integral_constant<int, 2>{});
+    else if (group <= 4)
+      gqa(std::integral_constant<int, 4>{});
+    else
+      gqa(std::integral_constant<int, 8>{});
+  } else {
+    const dim3 grid(unsigned(m * n_head), unsigned(n_splits));
+    kernels::attention_split_kernel<<<grid, 32 * kernels::kAttentionSplitWarps>>>(
+        q, k, v, partial, positions, n_head, n_head_kv, head_dim, scale, n_splits);
+  }
   kernels::attention_merge_kernel<<<unsigned(m * n_head), 128>>>(partial, out, m * n_head, head_dim, n_splits);
 }
 
