@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,16 +54,25 @@ class Backend {
   // out[r] = x[r] / rms(x[r]) * w, over `rows` rows of `dim`; in place allowed
   virtual void rms_norm(const float* x, const WeightVector& w, int64_t rows, int64_t dim, float eps,
                         float* out) = 0;
-  // The attention prologue, fused: per-head RMSNorm of q[m, n_head, hd] and of the new keys
-  // k_new[m, n_head_kv, hd] (skipped where the norm weight is null), the half-split (NeoX) RoPE of
-  // both at positions[t], and the write of keys and values into cache rows positions[t]. q is
-  // updated in place. positions are in this backend's memory, so a captured decode step replays
-  // at any position.
-  virtual void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new,
+  // The attention prologue, fused: per-head RMSNorm of the queries and of the new keys (skipped
+  // where the norm weight is null), the half-split (NeoX) RoPE of both at positions[t], and the
+  // write of keys and values into cache rows positions[t]. Token t's queries are read at
+  // q_in + t·q_stride ([n_head, hd]) and written to q_out [m, n_head, hd] (q_out may be q_in when
+  // q_stride is n_head·hd); its new keys and values at k_new/v_new + t·kv_stride ([n_head_kv, hd]).
+  // The strides let q, k and v come from one fused projection. positions are in this backend's
+  // memory, so a recorded decode step replays at any position.
+  virtual void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride,
+                                     const float* k_new, const float* v_new, int64_t kv_stride,
                                      const WeightVector& q_norm, const WeightVector& k_norm, float eps,
                                      const RopeTable& rope, const int32_t* positions, int64_t m,
                                      int64_t n_head, int64_t n_head_kv, int64_t head_dim,
                                      float* k_cache, float* v_cache) = 0;
+  // One weight whose rows are those of `parts` in order (q, k and v as one projection), in this
+  // backend's layout; nullopt where the backend gains nothing from it or the parts differ in
+  // format. The parts' own memory is released by the caller dropping them.
+  virtual std::optional<LinearWeight> concat_rows(const std::vector<const LinearWeight*>& parts) {
+    return std::nullopt;
+  }
   // Causal attention of q[m, n_head, hd] over the cache k/v[ctx, n_head_kv, hd]: token t attends
   // to cache rows 0..positions[t]; out[m, n_head, hd]. GQA: q head h reads kv head
   // h / (n_head / n_head_kv). max_context bounds every positions[t] + 1 (it sizes the work).

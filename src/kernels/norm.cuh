@@ -50,8 +50,9 @@ __global__ void rms_norm_block_kernel(const float* __restrict__ x_in, const floa
 // The attention prologue in one launch: block (token, head) over q heads then kv heads. One warp
 // per head vector: RMSNorm over head_dim (optional), RoPE (half-split) at the token's position,
 // then q is written back in place and k/v go to their cache row.
-__global__ void qk_norm_rope_kv_write_kernel(float* __restrict__ q, const float* __restrict__ k_new,
-                                             const float* __restrict__ v_new, const float* __restrict__ q_norm,
+__global__ void qk_norm_rope_kv_write_kernel(const float* q_in, float* q_out, int64_t q_stride,
+                                             const float* __restrict__ k_new, const float* __restrict__ v_new,
+                                             int64_t kv_stride, const float* __restrict__ q_norm,
                                              const float* __restrict__ k_norm, float eps,
                                              const float* __restrict__ inv_freq, float attention_factor,
                                              const int32_t* __restrict__ positions, int64_t n_head,
@@ -63,8 +64,9 @@ __global__ void qk_norm_rope_kv_write_kernel(float* __restrict__ q, const float*
   if (h >= n_head + n_head_kv) return;
   const bool is_q = h < n_head;
   const int64_t pos = positions[t];
-  const float* src = is_q ? q + (t * n_head + h) * head_dim : k_new + (t * n_head_kv + (h - n_head)) * head_dim;
-  float* dst = is_q ? q + (t * n_head + h) * head_dim : k_cache + (pos * n_head_kv + (h - n_head)) * head_dim;
+  // q_in and q_out may be one buffer: each warp reads its head vector whole before writing it.
+  const float* src = is_q ? q_in + t * q_stride + h * head_dim : k_new + t * kv_stride + (h - n_head) * head_dim;
+  float* dst = is_q ? q_out + (t * n_head + h) * head_dim : k_cache + (pos * n_head_kv + (h - n_head)) * head_dim;
   const float* norm = is_q ? q_norm : k_norm;
   const int64_t half = head_dim / 2;
   // Lane holds pairs (i, i + half) for i = lane + 32 j, so the rotation needs no exchange.
@@ -92,7 +94,7 @@ __global__ void qk_norm_rope_kv_write_kernel(float* __restrict__ q, const float*
     dst[i + half] = x1 * c + x0 * s;
   }
   if (!is_q) {
-    const float* vs = v_new + (t * n_head_kv + (h - n_head)) * head_dim;
+    const float* vs = v_new + t * kv_stride + (h - n_head) * head_dim;
     float* vd = v_cache + (pos * n_head_kv + (h - n_head)) * head_dim;
     for (int64_t i = lane; i < head_dim; i += 32) vd[i] = vs[i];
   }

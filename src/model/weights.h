@@ -80,6 +80,7 @@ struct MoeWeights {
 struct LayerWeights {
   WeightVector input_norm, post_attention_norm;
   LinearWeight q, k, v, o;
+  LinearWeight qkv;  // q, k and v as one projection where the backend fused them (then q/k/v empty)
   WeightVector q_norm, k_norm;  // per-head RMSNorm over head_dim
   bool is_moe = false;
   MlpWeights mlp;  // dense layers

@@ -198,17 +198,35 @@ TEST_F(OpsTest, EmbedNormRopeElementwise) {
       WeightVector qn = norms ? host_vector(random(hd)) : WeightVector{}, kn = norms ? host_vector(random(hd)) : WeightVector{};
       auto q = random(m * nh * hd, 2.f), k = random(m * row, 2.f), v = random(m * row);
       std::vector<float> want_q = q, want_k(size_t(ctx * row), 0.f), want_v(size_t(ctx * row), 0.f);
-      cpu_->qk_norm_rope_kv_write(want_q.data(), k.data(), v.data(), qn, kn, 1e-6f, host, positions.data(), m,
-                                  nh, nkv, hd, want_k.data(), want_v.data());
+      cpu_->qk_norm_rope_kv_write(want_q.data(), want_q.data(), nh * hd, k.data(), v.data(), row, qn, kn, 1e-6f,
+                                  host, positions.data(), m, nh, nkv, hd, want_k.data(), want_v.data());
+      const WeightVector dqn = norms ? gpu_->upload(qn) : qn, dkn = norms ? gpu_->upload(kn) : kn;
       float* dq = on_gpu(q);
       float* dk = on_gpu(std::vector<float>(size_t(ctx * row), 0.f));
       float* dv = on_gpu(std::vector<float>(size_t(ctx * row), 0.f));
-      gpu_->qk_norm_rope_kv_write(dq, on_gpu(k), on_gpu(v), norms ? gpu_->upload(qn) : qn, norms ? gpu_->upload(kn) : kn,
-                                  1e-6f, dev, on_gpu(positions), m, nh, nkv, hd, dk, dv);
+      gpu_->qk_norm_rope_kv_write(dq, dq, nh * hd, on_gpu(k), on_gpu(v), row, dqn, dkn, 1e-6f, dev, on_gpu(positions),
+                                  m, nh, nkv, hd, dk, dv);
       const std::string what = fmt::format("qk_norm_rope_kv {}{}", rope_type, norms ? " norms" : "");
       expect_close(to_host(dq, int64_t(q.size())), want_q, what + " q");
       expect_close(to_host(dk, ctx * row), want_k, what + " k cache");
       expect_close(to_host(dv, ctx * row), want_v, what + " v cache");
+      // The same from one fused [q | k | v] row per token (strided inputs, q to its own buffer).
+      const int64_t total = nh * hd + 2 * row;
+      std::vector<float> fused(size_t(m * total));
+      for (int64_t t = 0; t < m; ++t) {
+        std::copy_n(q.begin() + t * nh * hd, nh * hd, fused.begin() + t * total);
+        std::copy_n(k.begin() + t * row, row, fused.begin() + t * total + nh * hd);
+        std::copy_n(v.begin() + t * row, row, fused.begin() + t * total + nh * hd + row);
+      }
+      float* df = on_gpu(fused);
+      float* dq2 = poisoned_gpu(int64_t(q.size()));
+      float* dk2 = on_gpu(std::vector<float>(size_t(ctx * row), 0.f));
+      float* dv2 = on_gpu(std::vector<float>(size_t(ctx * row), 0.f));
+      gpu_->qk_norm_rope_kv_write(df, dq2, total, df + nh * hd, df + nh * hd + row, total, dqn, dkn, 1e-6f, dev,
+                                  on_gpu(positions), m, nh, nkv, hd, dk2, dv2);
+      expect_close(to_host(dq2, int64_t(q.size())), want_q, what + " fused q");
+      expect_close(to_host(dk2, ctx * row), want_k, what + " fused k cache");
+      expect_close(to_host(dv2, ctx * row), want_v, what + " fused v cache");
     }
   }
   const int64_t count = 1001;

@@ -105,22 +105,26 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new,
-                             const WeightVector& q_norm, const WeightVector& k_norm, float eps,
-                             const RopeTable& rope_table, const int32_t* positions, int64_t m,
-                             int64_t n_head, int64_t n_head_kv, int64_t head_dim, float* k_cache,
-                             float* v_cache) override {
-    if (q_norm.data) rms_norm(q, q_norm, m * n_head, head_dim, eps, q);
-    rope(q, m, n_head, head_dim, positions, rope_table);
-    const int64_t row = n_head_kv * head_dim;
+  void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, const float* k_new,
+                             const float* v_new, int64_t kv_stride, const WeightVector& q_norm,
+                             const WeightVector& k_norm, float eps, const RopeTable& rope_table,
+                             const int32_t* positions, int64_t m, int64_t n_head, int64_t n_head_kv,
+                             int64_t head_dim, float* k_cache, float* v_cache) override {
+    const int64_t q_row = n_head * head_dim, row = n_head_kv * head_dim;
     for (int64_t t = 0; t < m; ++t) {
+      float* q = q_out + t * q_row;
+      if (q_norm.data)
+        rms_norm(q_in + t * q_stride, q_norm, n_head, head_dim, eps, q);
+      else if (q != q_in + t * q_stride)
+        std::copy_n(q_in + t * q_stride, q_row, q);
+      rope(q, 1, n_head, head_dim, positions + t, rope_table);
       float* k = k_cache + int64_t(positions[t]) * row;
       if (k_norm.data)
-        rms_norm(k_new + t * row, k_norm, n_head_kv, head_dim, eps, k);
+        rms_norm(k_new + t * kv_stride, k_norm, n_head_kv, head_dim, eps, k);
       else
-        std::copy_n(k_new + t * row, row, k);
+        std::copy_n(k_new + t * kv_stride, row, k);
       rope(k, 1, n_head_kv, head_dim, positions + t, rope_table);
-      std::copy_n(v_new + t * row, row, v_cache + int64_t(positions[t]) * row);
+      std::copy_n(v_new + t * kv_stride, row, v_cache + int64_t(positions[t]) * row);
     }
   }
 

@@ -214,6 +214,53 @@ class CudaBackend final : public Backend {
   // Decode-shaped layouts go to the GEMV kernels, 8 activation rows per launch (a prefill reads
   // the weight once per 8 rows until the tensor-core GEMM lands); other shapes to the exact
   // one-warp-per-row kernels.
+  // q, k and v in one GEMV launch: more rows in flight for the small k/v projections, two launches
+  // fewer per layer. Decode-layout weights only (what the fusion is for).
+  std::optional<LinearWeight> concat_rows(const std::vector<const LinearWeight*>& parts) override {
+    const LinearWeight& a = *parts[0];
+    const bool int4 = a.format == WeightFormat::kInt4;
+    if (int4 ? a.int4.layout != Int4Layout::kWarpInterleaved
+             : a.k % (32 * cuda::dense_per_vec(dense_type(a.format))) != 0)
+      return std::nullopt;
+    int64_t n = 0;
+    for (const LinearWeight* p : parts) {
+      if (p->k != a.k || p->format != a.format || !p->bias != !a.bias) return std::nullopt;
+      if (int4 && (p->int4.layout != a.int4.layout || p->int4.group_size != a.int4.group_size ||
+                   !p->int4.zeros != !a.int4.zeros))
+        return std::nullopt;
+      n += p->n;
+    }
+    LinearWeight w = a;
+    w.name = a.name + "+";
+    w.n = n;
+    w.storage.clear();
+    // Rows of each part, one after another, in a new buffer owned by w.
+    auto cat = [&](auto field, size_t row_bytes) -> const void* {
+      auto buf = std::make_shared<Buffer>(*this, size_t(n) * row_bytes);
+      size_t offset = 0;
+      for (const LinearWeight* p : parts) {
+        const size_t bytes = size_t(p->n) * row_bytes;
+        CUDA_CHECK(cudaMemcpy(buf->data<uint8_t>() + offset, field(*p), bytes, cudaMemcpyDeviceToDevice));
+        offset += bytes;
+      }
+      w.storage.push_back(buf);
+      return buf->data();
+    };
+    if (int4) {
+      w.int4.codes = static_cast<const uint8_t*>(cat([](const LinearWeight& p) { return p.int4.codes; }, size_t(a.k / 2)));
+      w.int4.scales = static_cast<const uint16_t*>(
+          cat([](const LinearWeight& p) { return p.int4.scales; }, size_t(a.int4.n_groups) * 2));
+      if (a.int4.zeros)
+        w.int4.zeros = static_cast<const uint8_t*>(
+            cat([](const LinearWeight& p) { return p.int4.zeros; }, size_t(a.int4.n_groups)));
+    } else {
+      const size_t elem = a.format == WeightFormat::kF32 ? 4 : 2;
+      w.dense = cat([](const LinearWeight& p) { return p.dense; }, size_t(a.k) * elem);
+    }
+    if (a.bias) w.bias = static_cast<const float*>(cat([](const LinearWeight& p) { return p.bias; }, 4));
+    return w;
+  }
+
   LinearWeight prepare(const LinearWeight& w) override {
     if (w.format != WeightFormat::kInt4 || w.int4.layout != Int4Layout::kRowMajor ||
         !cuda::int4_interleavable(w.k, w.int4.group_size))
@@ -276,15 +323,16 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH("add_rms_norm");
   }
 
-  void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new,
-                             const WeightVector& q_norm, const WeightVector& k_norm, float eps,
-                             const RopeTable& rope, const int32_t* positions, int64_t m,
-                             int64_t n_head, int64_t n_head_kv, int64_t head_dim, float* k_cache,
-                             float* v_cache) override {
+  void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, const float* k_new,
+                             const float* v_new, int64_t kv_stride, const WeightVector& q_norm,
+                             const WeightVector& k_norm, float eps, const RopeTable& rope,
+                             const int32_t* positions, int64_t m, int64_t n_head, int64_t n_head_kv,
+                             int64_t head_dim, float* k_cache, float* v_cache) override {
     OpProfiler::Scope scope(profiler_, "qk_norm_rope_kv");
     NIBBLE_CHECK(head_dim <= 2 * 32 * 8 && head_dim % 2 == 0, "attention: head_dim {} is not supported",
                  head_dim);
-    cuda::qk_norm_rope_kv_write(q, k_new, v_new, q_norm.data, k_norm.data, eps, rope.inv_freq.data,
+    cuda::qk_norm_rope_kv_write(q_in, q_out, q_stride, k_new, v_new, kv_stride, q_norm.data, k_norm.data, eps,
+                                rope.inv_freq.data,
                                 rope.attention_factor, positions, m, n_head, n_head_kv, head_dim,
                                 k_cache, v_cache);
     CUDA_CHECK_LAUNCH("qk_norm_rope_kv_write");

@@ -55,7 +55,8 @@ void embed(Dense type, const void* table, const int32_t* ids, int64_t m, int64_t
 constexpr int64_t kNormMaxDim = 8192;
 void rms_norm(const float* x, const float* delta, float* x_out, const float* w, float* y, int64_t rows,
               int64_t dim, float eps);
-void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new, const float* q_norm,
+void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, const float* k_new,
+                           const float* v_new, int64_t kv_stride, const float* q_norm,
                            const float* k_norm, float eps, const float* inv_freq, float attention_factor,
                            const int32_t* positions, int64_t m, int64_t n_head, int64_t n_head_kv,
                            int64_t head_dim, float* k_cache, float* v_cache);

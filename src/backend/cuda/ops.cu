@@ -185,13 +185,15 @@ void rms_norm(const float* x, const float* delta, float* x_out, const float* w, 
   kernels::rms_norm_block_kernel<<<unsigned(rows), threads>>>(x, delta, x_out, w, y, dim, eps);
 }
 
-void qk_norm_rope_kv_write(float* q, const float* k_new, const float* v_new, const float* q_norm,
+void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, const float* k_new,
+                           const float* v_new, int64_t kv_stride, const float* q_norm,
                            const float* k_norm, float eps, const float* inv_freq, float attention_factor,
                            const int32_t* positions, int64_t m, int64_t n_head, int64_t n_head_kv,
                            int64_t head_dim, float* k_cache, float* v_cache) {
   constexpr int kWarps = 4;
   const dim3 grid(unsigned(m), unsigned((n_head + n_head_kv + kWarps - 1) / kWarps));
-  kernels::qk_norm_rope_kv_write_kernel<<<grid, 32 * kWarps>>>(q, k_new, v_new, q_norm, k_norm, eps, inv_freq,
+  kernels::qk_norm_rope_kv_write_kernel<<<grid, 32 * kWarps>>>(q_in, q_out, q_stride, k_new, v_new, kv_stride,
+                                                               q_norm, k_norm, eps, inv_freq,
                                                                attention_factor, positions, n_head, n_head_kv,
                                                                head_dim, k_cache, v_cache);
 }

@@ -33,6 +33,10 @@ class Qwen3Moe final : public Model {
       l.k = linear(p + ".self_attn.k_proj", c.num_key_value_heads * hd, H, c.attention_bias);
       l.v = linear(p + ".self_attn.v_proj", c.num_key_value_heads * hd, H, c.attention_bias);
       l.o = linear(p + ".self_attn.o_proj", H, c.num_attention_heads * hd, c.attention_bias);
+      if (auto qkv = backend_.concat_rows({&l.q, &l.k, &l.v})) {
+        l.qkv = std::move(*qkv);
+        l.q = l.k = l.v = LinearWeight{};
+      }
       l.q_norm = vector(p + ".self_attn.q_norm.weight", hd);
       l.k_norm = vector(p + ".self_attn.k_norm.weight", hd);
       l.is_moe = c.is_moe_layer(i);
@@ -64,7 +68,7 @@ class Qwen3Moe final : public Model {
   int64_t weight_bytes_per_token() const override {
     int64_t bytes = int64_t(w_.embed.bytes() / size_t(w_.embed.n)) + int64_t(w_.lm_head.bytes());
     for (const LayerWeights& l : w_.layers) {
-      bytes += int64_t(l.q.bytes() + l.k.bytes() + l.v.bytes() + l.o.bytes());
+      bytes += int64_t(l.qkv.bytes() + l.q.bytes() + l.k.bytes() + l.v.bytes() + l.o.bytes());
       if (!l.is_moe) {
         bytes += int64_t(l.mlp.gate.bytes() + l.mlp.up.bytes() + l.mlp.down.bytes());
         continue;
@@ -83,8 +87,9 @@ class Qwen3Moe final : public Model {
     const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;
     const float eps = float(c.rms_norm_eps);
     auto floats = [&](int64_t n) { return Buffer(be, size_t(n) * sizeof(float)); };
-    Buffer x = floats(T * H), normed = floats(T * H), q = floats(T * nh * hd);
-    Buffer k_new = floats(T * nkv * hd), v_new = floats(T * nkv * hd);
+    const int64_t nq = nh * hd, nk = nkv * hd;
+    Buffer x = floats(T * H), normed = floats(T * H), q = floats(T * nq);
+    Buffer qkv = floats(T * (nq + 2 * nk));  // the projections, fused or one after another
     Buffer attn = floats(T * nh * hd), proj = floats(T * H);
     be.embed(w_.embed, step.ids, T, x.data());
     trace("embed", x.data(), T, H);
@@ -94,11 +99,20 @@ class Qwen3Moe final : public Model {
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const LayerWeights& l = w_.layers[size_t(i)];
       const std::string name = "layers." + std::to_string(i);
-      be.linear(l.q, normed.data(), T, q.data());
-      be.linear(l.k, normed.data(), T, k_new.data());
-      be.linear(l.v, normed.data(), T, v_new.data());
-      be.qk_norm_rope_kv_write(q.data(), k_new.data(), v_new.data(), l.q_norm, l.k_norm, eps, rope_,
-                               step.positions, T, nh, nkv, hd, kv.k(i), kv.v(i));
+      if (l.qkv.n) {  // rows [q | k | v] per token
+        be.linear(l.qkv, normed.data(), T, qkv.data());
+        const float* row = qkv.data();
+        be.qk_norm_rope_kv_write(row, q.data(), nq + 2 * nk, row + nq, row + nq + nk, nq + 2 * nk, l.q_norm,
+                                 l.k_norm, eps, rope_, step.positions, T, nh, nkv, hd, kv.k(i), kv.v(i));
+      } else {
+        float* k_new = qkv.data() + T * nq;
+        float* v_new = k_new + T * nk;
+        be.linear(l.q, normed.data(), T, q.data());
+        be.linear(l.k, normed.data(), T, k_new);
+        be.linear(l.v, normed.data(), T, v_new);
+        be.qk_norm_rope_kv_write(q.data(), q.data(), nq, k_new, v_new, nk, l.q_norm, l.k_norm, eps, rope_,
+                                 step.positions, T, nh, nkv, hd, kv.k(i), kv.v(i));
+      }
       trace(name + ".q", q.data(), T, nh * hd);
       be.attention(q.data(), kv.k(i), kv.v(i), T, step.positions, step.max_context, nh, nkv, hd,
                    1.f / std::sqrt(float(hd)), attn.data());
