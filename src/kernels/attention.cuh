@@ -12,6 +12,20 @@ namespace nibble::kernels {
 
 constexpr int64_t kAttentionMaxHeadDim = 256;
 
+// One step of the online softmax: folds a score and its value row (this lane's dims
+// lane + 32 j) into the running max, running sum and unnormalised output.
+template <int kPerLane>
+__device__ __forceinline__ void online_softmax_step(float score, const float (&v)[kPerLane],
+                                                    float& running_max, float& running_sum,
+                                                    float (&acc)[kPerLane]) {
+  const float new_max = fmaxf(running_max, score);
+  const float correction = expf(running_max - new_max), p = expf(score - new_max);
+  running_sum = running_sum * correction + p;
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) acc[j] = acc[j] * correction + p * v[j];
+  running_max = new_max;
+}
+
 __global__ void attention_online_warp_kernel(const float* __restrict__ q, const float* __restrict__ k,
                                              const float* __restrict__ v, float* __restrict__ out,
                                              int64_t m, const int32_t* __restrict__ positions,
@@ -40,16 +54,10 @@ __global__ void attention_online_warp_kernel(const float* __restrict__ q, const 
       const int64_t d = lane + 32 * j;
       if (d < head_dim) dot += qv[j] * kp[d];
     }
-    const float score = warp_sum(dot) * scale;
-    const float new_max = fmaxf(running_max, score);
-    const float correction = expf(running_max - new_max), p = expf(score - new_max);
-    running_sum = running_sum * correction + p;
+    float vr[kPerLane];
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int64_t d = lane + 32 * j;
-      if (d < head_dim) acc[j] = acc[j] * correction + p * vp[d];
-    }
-    running_max = new_max;
+    for (int j = 0; j < kPerLane; ++j) vr[j] = lane + 32 * j < head_dim ? vp[lane + 32 * j] : 0.f;
+    online_softmax_step(warp_sum(dot) * scale, vr, running_max, running_sum, acc);
   }
   float* oh = out + pair * head_dim;
 #pragma unroll
@@ -96,16 +104,10 @@ __global__ void attention_split_kernel(const float* __restrict__ q, const float*
       const int64_t d = lane + 32 * j;
       if (d < head_dim) dot += qv[j] * kp[d];
     }
-    const float score = warp_sum(dot);
-    const float new_max = fmaxf(running_max, score);
-    const float correction = expf(running_max - new_max), p = expf(score - new_max);
-    running_sum = running_sum * correction + p;
+    float vr[kPerLane];
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int64_t d = lane + 32 * j;
-      if (d < head_dim) acc[j] = acc[j] * correction + p * vp[d];
-    }
-    running_max = new_max;
+    for (int j = 0; j < kPerLane; ++j) vr[j] = lane + 32 * j < head_dim ? vp[lane + 32 * j] : 0.f;
+    online_softmax_step(warp_sum(dot), vr, running_max, running_sum, acc);
   }
   if (lane == 0) s_max[warp] = running_max, s_sum[warp] = running_sum;
 #pragma unroll
@@ -174,13 +176,7 @@ __global__ void attention_split_gqa_kernel(const float* __restrict__ q, const fl
       float dot = 0.f;
 #pragma unroll
       for (int j = 0; j < kPerLane; ++j) dot += qv[h][j] * kr[j];
-      const float score = warp_sum(dot);
-      const float new_max = fmaxf(running_max[h], score);
-      const float correction = expf(running_max[h] - new_max), p = expf(score - new_max);
-      running_sum[h] = running_sum[h] * correction + p;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) acc[h][j] = acc[h][j] * correction + p * vr[j];
-      running_max[h] = new_max;
+      online_softmax_step(warp_sum(dot), vr, running_max[h], running_sum[h], acc[h]);
     }
   }
 #pragma unroll

@@ -28,6 +28,16 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Lane 0 writes y[m0 + r, row] = the warp's sum of acc[r] + bias, for the rows below m.
+__device__ __forceinline__ void store_warp_rows(const float (&acc)[kLinearMaxRows], int64_t m0, int64_t m,
+                                                int64_t row, int64_t n, float bias, float* __restrict__ y) {
+#pragma unroll
+  for (int r = 0; r < kLinearMaxRows; ++r) {
+    const float s = warp_sum(acc[r]);
+    if (threadIdx.x % 32 == 0 && m0 + r < m) y[(m0 + r) * n + row] = s + bias;
+  }
+}
+
 template <DenseType T>
 __global__ void linear_dense_warp_row_kernel(const void* __restrict__ w, const float* __restrict__ bias,
                                              const float* __restrict__ x, float* __restrict__ y,
@@ -44,11 +54,7 @@ __global__ void linear_dense_warp_row_kernel(const void* __restrict__ w, const f
       for (int r = 0; r < kLinearMaxRows; ++r)
         if (m0 + r < m) acc[r] += wv * x[(m0 + r) * k + i];
     }
-#pragma unroll
-    for (int r = 0; r < kLinearMaxRows; ++r) {
-      const float s = warp_sum(acc[r]);
-      if (lane == 0 && m0 + r < m) y[(m0 + r) * n + row] = s + b;
-    }
+    store_warp_rows(acc, m0, m, row, n, b, y);
   }
 }
 
@@ -80,11 +86,7 @@ __global__ void linear_int4_warp_row_kernel(const uint8_t* __restrict__ codes,
           if (m0 + r < m) acc[r] += wv * x[(m0 + r) * k + i];
       }
     }
-#pragma unroll
-    for (int r = 0; r < kLinearMaxRows; ++r) {
-      const float s = warp_sum(acc[r]);
-      if (lane == 0 && m0 + r < m) y[(m0 + r) * n + row] = s + b;
-    }
+    store_warp_rows(acc, m0, m, row, n, b, y);
   }
 }
 
