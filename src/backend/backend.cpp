@@ -4,6 +4,27 @@
 
 namespace nibble {
 
+void Backend::rms_norm_linear(const float* x, const WeightVector& norm, float eps, const LinearWeight& w,
+                              int64_t m, float* out) {
+  Buffer normed(*this, size_t(m * w.k) * sizeof(float));
+  rms_norm(x, norm, m, w.k, eps, normed.data());
+  linear(w, normed.data(), m, out);
+}
+
+void Backend::linear_add(const LinearWeight& w, const float* a, int64_t m, float* x) {
+  Buffer y(*this, size_t(m * w.n) * sizeof(float));
+  linear(w, a, m, y.data());
+  add(y.data(), m * w.n, x);
+}
+
+void Backend::rms_norm_moe_add(const WeightVector& norm, float eps, const MoeWeights& w, int64_t m, float* x) {
+  const int64_t hidden = w.router.k;
+  Buffer normed(*this, size_t(m * hidden) * sizeof(float)), y(*this, size_t(m * hidden) * sizeof(float));
+  rms_norm(x, norm, m, hidden, eps, normed.data());
+  moe(w, normed.data(), m, y.data());
+  add(y.data(), m * hidden, x);
+}
+
 #ifdef NIBBLE_HAVE_CUDA
 std::unique_ptr<Backend> make_cuda_backend();
 #endif

@@ -21,6 +21,12 @@ struct RopeTable {
   float attention_factor = 1.f;
 };
 
+// One kernel (or copy) the device ran, with device timestamps in ns (see Backend::start_trace).
+struct KernelSpan {
+  std::string name;  // the kernel's (mangled) symbol, or "memcpy ..."/"memset"
+  uint64_t start_ns = 0, end_ns = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -93,11 +99,31 @@ class Backend {
   virtual void add_rms_norm(const float* delta, float* x, const WeightVector& w, int64_t rows,
                             int64_t dim, float eps, float* out) = 0;
 
+  // Fused forms of the residual stream x[m, hidden] around a projection or an MoE block, so a
+  // decode step needs no separate norm or add kernels. Their meaning is the composition of the
+  // ops above, and that composition is the default (and the reference the fused kernels are
+  // tested against):
+  //   rms_norm_linear: out[m, n] = linear(w, rms_norm(x) · norm)
+  //   linear_add:      x[m, n] += linear(w, a)                   (the residual add)
+  //   rms_norm_moe_add: x[m, h] += moe(w, rms_norm(x) · norm)
+  virtual void rms_norm_linear(const float* x, const WeightVector& norm, float eps, const LinearWeight& w,
+                               int64_t m, float* out);
+  virtual void linear_add(const LinearWeight& w, const float* a, int64_t m, float* x);
+  virtual void rms_norm_moe_add(const WeightVector& norm, float eps, const MoeWeights& w, int64_t m, float* x);
+
   // Graphs: a decode step recorded once and replayed (CUDA graphs remove the launch overhead of
   // hundreds of small kernels). Between begin_capture and end_capture ops are recorded, not run;
   // end_capture returns whether a replayable graph was made (on false the caller runs the ops
   // again, uncaptured). replay runs the graph recorded under `key`, false if there is none. The
   // CPU backend records nothing.
+  // A device-side trace of what runs between start_trace and stop_trace (for `bench --profile`):
+  // false with the reason in *why_not when this backend or machine has none.
+  virtual bool start_trace(std::string* why_not) {
+    *why_not = "the " + name() + " backend has no kernel trace";
+    return false;
+  }
+  virtual std::vector<KernelSpan> stop_trace() { return {}; }
+
   virtual bool supports_graphs() const { return false; }
   virtual bool replay(uint64_t key) { return false; }
   virtual void begin_capture(uint64_t key) {}

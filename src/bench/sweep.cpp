@@ -45,7 +45,9 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
   for (int64_t depth : o.depths) {
     std::vector<std::vector<double>> pp_tok_s(o.prompt_tokens.size()), pp_ttft(o.prompt_tokens.size());
     std::vector<double> tg_tok_s;
-    KvCache kv = model.make_kv_cache(depth + max_new);
+    KvCache kv = model.make_kv_cache(depth + max_new + o.profile_steps);
+    StepProfile profile;
+    std::string profile_error;
     for (int rep = 0; rep < o.repetitions + 1; ++rep) {  // repetition 0 warms up and is not kept
       const bool keep = rep > 0;
       // The context: `depth` tokens, prefilled in chunks (not timed).
@@ -75,6 +77,16 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
           next = sampler.sample(logits);
         }
         if (keep) tg_tok_s.push_back(double(o.generate_tokens) / seconds_since(t0));
+        // After the last repetition's timed steps, the same steps again under a device trace.
+        if (rep == o.repetitions && o.profile_steps > 0) {
+          if (model.backend().start_trace(&profile_error)) {
+            for (int64_t step = 0; step < o.profile_steps; ++step) {
+              model.forward({&next, 1}, depth + o.generate_tokens + step, kv, false, logits);
+              next = sampler.sample(logits);
+            }
+            profile = profile_steps(model.backend().stop_trace(), o.profile_steps);
+          }
+        }
       }
     }
     for (size_t i = 0; i < o.prompt_tokens.size(); ++i) {
@@ -97,6 +109,8 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
                           avg_context * double(model.kv_bytes_per_context_token());
       r.gb_s = r.bytes_per_token * r.tok_s_mean / 1e9;
       r.roofline_pct = 100.0 * r.bytes_per_token * r.tok_s_mean / copy_bandwidth;
+      r.profile = std::move(profile);
+      r.profile_error = std::move(profile_error);
       results.push_back(r);
     }
   }

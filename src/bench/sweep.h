@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/profile.h"
 #include "model/model.h"
 
 namespace nibble {
@@ -19,6 +20,7 @@ struct SweepOptions {
   std::vector<int64_t> depths{0};
   int repetitions = 3;
   uint64_t seed = 42;
+  int64_t profile_steps = 0;  // > 0: trace this many more decode steps at each depth (--profile)
 };
 
 struct SweepResult {
@@ -28,6 +30,8 @@ struct SweepResult {
   double ttft_ms_mean = 0;   // pp only
   double bytes_per_token = 0;  // tg only: weights + KV read by one step
   double gb_s = 0, roofline_pct = 0;
+  StepProfile profile;        // tg with profile_steps: where a step's time goes
+  std::string profile_error;  // why there is no profile (no trace on this backend)
 };
 
 std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& options, double copy_bandwidth);

@@ -21,7 +21,7 @@ struct BenchOptions {
               depths = "0";
   int64_t generate = 128;
   int repetitions = 3;
-  bool enforce_eager = false;
+  bool enforce_eager = false, profile = false;
   std::vector<std::string> argv;
 };
 
@@ -49,6 +49,7 @@ void bench(const BenchOptions& o) {
   sweep.depths = parse_list(o.depths, "-d");
   sweep.generate_tokens = o.generate;
   sweep.repetitions = o.repetitions;
+  sweep.profile_steps = o.profile ? 16 : 0;
   for (int64_t p : sweep.prompt_tokens) NIBBLE_CHECK(p > 0, "-p: prompt sizes must be positive");
   auto backend = make_backend(o.device);
   LoadOptions load;
@@ -79,6 +80,13 @@ void bench(const BenchOptions& o) {
       fmt::print("| {} | {} | {:.1f} ± {:.1f} | | {:.0f} | {:.1f}% |\n", r.test, r.depth, r.tok_s_mean, r.tok_s_std,
                  r.gb_s, r.roofline_pct);
   }
+  for (auto& r : results) {
+    if (r.test[0] != 't' || !o.profile) continue;
+    if (r.profile.steps == 0)
+      fmt::print("\nno profile at depth {}: {}\n", r.depth, r.profile_error);
+    else
+      fmt::print("\n### Decode step at depth {}\n\n{}", r.depth, format_profile(r.profile));
+  }
   if (!o.json_path.empty()) {
     const std::time_t now = std::time(nullptr);
     char date[32];
@@ -94,6 +102,10 @@ void bench(const BenchOptions& o) {
       j["results"].push_back({{"test", r.test}, {"depth", r.depth}, {"tok_s", r.tok_s_mean}, {"tok_s_std", r.tok_s_std},
                               {"ttft_ms", r.ttft_ms_mean}, {"bytes_per_token", r.bytes_per_token},
                               {"gb_s", r.gb_s}, {"roofline_pct", r.roofline_pct}});
+    for (auto& r : results)
+      for (const ProfileRow& row : r.profile.kernels)
+        j["profile"].push_back({{"depth", r.depth}, {"kernel", row.name}, {"category", row.category},
+                                {"calls_per_step", row.calls_per_step}, {"us_per_step", row.us_per_step}});
     std::ofstream(o.json_path) << j.dump(2) << '\n';
   }
 }
@@ -115,6 +127,8 @@ void add_bench_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("-r,--repetitions", o->repetitions, "Repetitions (mean ± std)")->check(CLI::PositiveNumber);
   cmd->add_option("--json", o->json_path, "Also write the results as JSON to this file");
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
+  cmd->add_flag("--profile", o->profile,
+                "After each decode test, trace 16 more steps on the device and print where a step's time goes");
   cmd->callback([o] { bench(*o); });
 }
 

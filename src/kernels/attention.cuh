@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/linear.cuh"
+#include "kernels/pdl.cuh"
 
 namespace nibble::kernels {
 
@@ -78,6 +79,7 @@ __global__ void attention_split_kernel(const float* __restrict__ q, const float*
                                        const float* __restrict__ v, float* __restrict__ partial,
                                        const int32_t* __restrict__ positions, int64_t n_head,
                                        int64_t n_head_kv, int64_t head_dim, float scale, int64_t n_splits) {
+  pdl_enter();
   constexpr int kPerLane = kAttentionMaxHeadDim / 32;
   __shared__ float s_max[kAttentionSplitWarps], s_sum[kAttentionSplitWarps];
   __shared__ float s_acc[kAttentionSplitWarps][kAttentionMaxHeadDim];
@@ -141,6 +143,7 @@ __global__ void attention_split_gqa_kernel(const float* __restrict__ q, const fl
                                            const float* __restrict__ v, float* __restrict__ partial,
                                            const int32_t* __restrict__ positions, int64_t n_head,
                                            int64_t n_head_kv, int64_t head_dim, float scale, int64_t n_splits) {
+  pdl_enter();
   constexpr int kPerLane = kAttentionMaxHeadDim / 64;  // head_dim <= 128 here
   __shared__ float s_max[kAttentionSplitWarps][G], s_sum[kAttentionSplitWarps][G];
   __shared__ float s_acc[kAttentionSplitWarps][G][kAttentionMaxHeadDim / 2];
@@ -209,6 +212,7 @@ __global__ void attention_split_gqa_kernel(const float* __restrict__ q, const fl
 
 __global__ void attention_merge_kernel(const float* __restrict__ partial, float* __restrict__ out,
                                        int64_t m_heads, int64_t head_dim, int64_t n_splits) {
+  pdl_enter();
   const int64_t pair = blockIdx.x;
   const float* p = partial + pair * n_splits * (head_dim + 2);
   float global_max = -INFINITY;
@@ -227,6 +231,164 @@ __global__ void attention_merge_kernel(const float* __restrict__ partial, float*
     }
     out[pair * head_dim + d] = o / sum;
   }
+}
+
+}  // namespace nibble::kernels
+
+namespace nibble::kernels {
+
+// Decode attention (few query tokens, any context) for GQA groups of G <= 8 q heads and head_dim
+// HD (64 or 128), f32 KV. Block (token, kv head, split of kDecodeSplit positions), 256 threads:
+//   1. scores: thread i owns position begin + i and computes its dot product with all G queries
+//      (q staged in shared memory), so no per-position warp reduction sits on the critical path;
+//   2. softmax: warp h takes head h's scores (max, exp, sum) in shared memory;
+//   3. output: each thread owns 4 dims and a stride of positions, accumulating all G heads, then
+//      the position groups are summed in shared memory.
+// Splits write (max, sum, unnormalised output) partials; the last block of a (token, kv head) to
+// finish (a counter per pair, reset by that block) merges them, so there is no merge launch. With
+// one split the output is written directly. K/V rows of earlier steps cannot change, so they are
+// prefetched into L2 before pdl_wait.
+constexpr int kDecodeSplit = 256;
+constexpr int kDecodeThreads = 256;
+
+template <int G, int HD>
+__global__ void __launch_bounds__(kDecodeThreads)
+attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                        float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
+                        const int32_t* __restrict__ positions, int64_t max_context, int64_t n_head,
+                        int64_t n_head_kv, float scale, int64_t n_splits) {
+  constexpr int kQuads = HD / 4;                       // float4 columns of a row
+  constexpr int kGroups = kDecodeThreads / kQuads;     // position groups in stage 3
+  __shared__ __align__(16) float qs[G][HD];
+  __shared__ float sc[G][kDecodeSplit];
+  __shared__ __align__(16) float red[kGroups][G][HD];  // stage 3 partial sums
+  __shared__ float s_max[G], s_sum[G];
+  __shared__ bool last;
+  const int64_t t = blockIdx.x / n_head_kv, kv = blockIdx.x % n_head_kv, split = blockIdx.y;
+  const int64_t group = n_head / n_head_kv;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t row_stride = n_head_kv * HD;
+  const float* kbase = k + kv * HD;
+  const float* vbase = v + kv * HD;
+  const int64_t begin = split * kDecodeSplit;
+  // Prefetch this split's K/V rows before the wait: rows before the token's own were written by
+  // earlier steps. positions are the step's inputs, copied from the host before the step, never a
+  // kernel's output, so reading them here keeps the PDL rule.
+  constexpr int kLines = HD * 4 / 128;  // 128-byte lines per row
+  const int64_t prefetch_rows = ::max(int64_t(0), ::min(int64_t(kDecodeSplit), int64_t(positions[t]) - begin));
+  for (int64_t i = tid; i < 2 * prefetch_rows * kLines; i += kDecodeThreads) {
+    const int64_t line = i % (prefetch_rows * kLines), pos = begin + line / kLines;
+    prefetch_l2((i < prefetch_rows * kLines ? kbase : vbase) + pos * row_stride + (line % kLines) * 32);
+  }
+  pdl_enter();
+  const int64_t n_ctx = int64_t(positions[t]) + 1;
+  const int64_t end = ::min(n_ctx, begin + int64_t(kDecodeSplit)), count = ::max(int64_t(0), end - begin);
+
+  for (int i = tid; i < G * HD; i += kDecodeThreads) {
+    const int h = i / HD, d = i % HD;
+    qs[h][d] = h < group ? q[((t * n_head) + kv * group + h) * HD + d] * scale : 0.f;
+  }
+  __syncthreads();
+  // 1. Scores.
+  if (tid < count) {
+    const float4* kr = reinterpret_cast<const float4*>(kbase + (begin + tid) * row_stride);
+    float s[G] = {};
+#pragma unroll 8
+    for (int c = 0; c < kQuads; ++c) {
+      const float4 kv4 = kr[c];
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        const float4 q4 = reinterpret_cast<const float4*>(qs[h])[c];
+        s[h] += q4.x * kv4.x + q4.y * kv4.y + q4.z * kv4.z + q4.w * kv4.w;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < G; ++h) sc[h][tid] = s[h];
+  }
+  __syncthreads();
+  // 2. Softmax numerators per head.
+  for (int h = warp; h < G; h += kDecodeThreads / 32) {
+    float mx = -INFINITY;
+    for (int i = lane; i < count; i += 32) mx = fmaxf(mx, sc[h][i]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    for (int i = lane; i < count; i += 32) {
+      const float p = expf(sc[h][i] - mx);
+      sc[h][i] = p;
+      sum += p;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) s_max[h] = mx, s_sum[h] = sum;
+  }
+  __syncthreads();
+  // 3. Σ p · v, position group g = tid / kQuads, dims 4·(tid % kQuads).
+  {
+    const int quad = tid % kQuads, g = tid / kQuads;
+    float4 acc[G];
+#pragma unroll
+    for (int h = 0; h < G; ++h) acc[h] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int i = g; i < count; i += kGroups) {
+      const float4 v4 = reinterpret_cast<const float4*>(vbase + (begin + i) * row_stride)[quad];
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        const float p = sc[h][i];
+        acc[h].x += p * v4.x, acc[h].y += p * v4.y, acc[h].z += p * v4.z, acc[h].w += p * v4.w;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < G; ++h) reinterpret_cast<float4*>(red[g][h])[quad] = acc[h];
+  }
+  __syncthreads();
+  // Sum the position groups; one split: normalise and write the output, else the split's partial.
+  for (int i = tid; i < G * HD; i += kDecodeThreads) {
+    const int h = i / HD, d = i % HD;
+    if (h >= group) continue;
+    float o = 0.f;
+#pragma unroll 4
+    for (int g = 0; g < kGroups; ++g) o += red[g][h][d];
+    const int64_t head = t * n_head + kv * group + h;
+    if (n_splits == 1) {
+      out[head * HD + d] = o / s_sum[h];
+    } else {
+      float* p = partial + (head * n_splits + split) * (HD + 2);
+      p[2 + d] = o;
+      if (d == 0) p[0] = s_max[h], p[1] = s_sum[h];
+    }
+  }
+  if (n_splits == 1) return;
+  // The last split block of this (token, kv head) merges all splits.
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(n_splits) - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int h = warp; h < G && h < group; h += kDecodeThreads / 32) {
+    const float* p = partial + ((t * n_head + kv * group + h) * n_splits) * (HD + 2);
+    float mx = -INFINITY;
+    for (int64_t s = lane; s < n_splits; s += 32)
+      if (__ldcg(p + s * (HD + 2) + 1) > 0.f) mx = fmaxf(mx, __ldcg(p + s * (HD + 2)));
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    for (int64_t s = lane; s < n_splits; s += 32) {
+      const float l = __ldcg(p + s * (HD + 2) + 1);
+      if (l > 0.f) sum += l * expf(__ldcg(p + s * (HD + 2)) - mx);
+    }
+    sum = warp_sum(sum);
+    for (int d = lane; d < HD; d += 32) {
+      float o = 0.f;
+      for (int64_t s = 0; s < n_splits; ++s) {
+        const float* ps = p + s * (HD + 2);
+        const float l = __ldcg(ps + 1);
+        if (l > 0.f) o += __ldcg(ps + 2 + d) * expf(__ldcg(ps) - mx);
+      }
+      out[(t * n_head + kv * group + h) * HD + d] = o / sum;
+    }
+  }
+  if (tid == 0) counters[blockIdx.x] = 0;
 }
 
 }  // namespace nibble::kernels

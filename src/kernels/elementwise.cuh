@@ -6,6 +6,7 @@
 
 #include "core/hash_random.h"
 #include "kernels/linear.cuh"
+#include "kernels/pdl.cuh"
 
 namespace nibble::kernels {
 
@@ -25,6 +26,7 @@ __global__ void add_kernel(const float* __restrict__ x, int64_t count, float* __
 template <DenseType T>
 __global__ void embed_kernel(const void* __restrict__ table, const int32_t* __restrict__ ids,
                              int64_t dim, float* __restrict__ out) {
+  pdl_enter();
   const int64_t t = blockIdx.x;
   const int64_t row = ids[t];
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[t * dim + i] = load_weight<T>(table, row * dim + i);

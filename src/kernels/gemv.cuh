@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "kernels/linear.cuh"
+#include "kernels/pdl.cuh"
 
 namespace nibble::kernels {
 
@@ -35,19 +36,133 @@ struct Int4Gemv {
   int64_t n_groups;
 };
 
+// The activation rows a GEMV reads, x[mi · stride + i] for mi < m, optionally RMS-normalised on
+// the fly (x · inv_rms(row) · norm[i]): the norm fused into the projection that consumes it.
+template <int M, bool kNorm>
+struct XRows {
+  const float* __restrict__ x;
+  int64_t stride;
+  int m;
+  const float* __restrict__ norm;  // kNorm only
+  float inv[M];                    // kNorm only: 1 / rms of each row
+  __device__ __forceinline__ float operator()(int mi, int64_t i) const {
+    if (mi >= m) return 0.f;
+    const float v = x[mi * stride + i];
+    if constexpr (kNorm) return v * inv[mi] * norm[i];
+    return v;
+  }
+};
+
+// 1 / sqrt(mean(x²) + eps) of each of the m rows (length k, k % 4 == 0), by the whole block: every
+// thread must call it. Each block of a fused-norm GEMV recomputes it; a 2048-wide row is 8 KB
+// read from L2, less than one weight row group.
+template <int M, bool kNorm>
+__device__ __forceinline__ void block_inv_rms(XRows<M, kNorm>& xr, int64_t k, float eps) {
+  if constexpr (kNorm) {
+    __shared__ float partial[M][32];
+    __shared__ float result[M];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi) {
+      float ss = 0.f;
+      if (mi < xr.m)
+        for (int64_t i = 4 * int64_t(threadIdx.x); i < k; i += 4 * int64_t(blockDim.x)) {
+          const float4 v = *reinterpret_cast<const float4*>(xr.x + mi * xr.stride + i);
+          ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+      ss = warp_sum(ss);
+      if (lane == 0) partial[mi][warp] = ss;
+    }
+    __syncthreads();
+    if (threadIdx.x < M) {
+      float ss = 0.f;
+      for (int w = 0; w < int(blockDim.x / 32); ++w) ss += partial[threadIdx.x][w];
+      result[threadIdx.x] = rsqrtf(ss / float(k) + eps);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi) xr.inv[mi] = result[mi];
+  }
+}
+
+// L2 prefetch of everything rows [row0, row0 + R) of an INT4 matrix will read: issued before
+// pdl_wait, since weights never depend on an earlier kernel.
+template <int R>
+__device__ __forceinline__ void int4_rows_prefetch(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row_bytes = k / 2;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (row0 + r >= n) break;
+    const int64_t row = row0 + r;
+    for (int64_t off = 16 * lane; off < row_bytes; off += 32 * 16) prefetch_l2(w.codes + row * row_bytes + off);
+    if (lane == 0) {
+      prefetch_l2(w.scales + row * w.n_groups);
+      if (w.zeros) prefetch_l2(w.zeros + row * w.n_groups);
+    }
+  }
+}
+
+// One stage of the INT4 GEMV pipeline: the words of up to 4 chunks (1024 k, one 16-byte load per
+// lane) of R rows and, for groups of >= 64, their scales. Loading stage c+1 before computing stage
+// c keeps two round trips to memory in flight per warp instead of a chain of dependent ones,
+// which at batch 1 (a few waves of short warps) is what bounds these kernels.
+template <int R, int CPG>
+struct Int4Stage {
+  static constexpr bool kScales = CPG >= 2;  // G = 32 would need 8 scales per word: load late
+  uint32_t wd[R][4];
+  float scale[R][4][kScales ? 8 / CPG : 1];
+  int words;
+};
+
+template <int R, int CPG>
+__device__ __forceinline__ void int4_stage_load(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k, int64_t c0,
+                                                Int4Stage<R, CPG>& st) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row_bytes = k / 2, chunks = k / 256;
+  st.words = chunks - c0 >= 4 ? 4 : int(chunks - c0);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = row0 + r < n ? row0 + r : row0;  // rows past n: load a valid row, unused
+    const uint8_t* base = w.codes + row * row_bytes + c0 * 128;
+    if (st.words == 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(base + 16 * lane);
+      st.wd[r][0] = v.x, st.wd[r][1] = v.y, st.wd[r][2] = v.z, st.wd[r][3] = v.w;
+    } else {
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi)
+        st.wd[r][wi] = wi < st.words ? reinterpret_cast<const uint32_t*>(base)[lane * st.words + wi] : 0u;
+    }
+    if constexpr (Int4Stage<R, CPG>::kScales) {
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi)
+#pragma unroll
+        for (int gi = 0; gi < 8 / CPG; ++gi) {
+          const int64_t g = row * w.n_groups + ((256 * (c0 + wi) + 32 * CPG * gi) >> w.group_shift);
+          st.scale[r][wi][gi] = wi < st.words ? __half2float(w.scales[g]) : 0.f;
+        }
+    }
+  }
+}
+
 // The 8 codes of one word (position kc of its chunk) times x, scales factored out of the sum:
 // with CPG codes per group (G / 32, at most 8), the codes of a group are dequantised against
 // their zero point only (two integer ops, one add, one fma per code) and the group's partial sum is
 // scaled once. The nibble becomes a float without a conversion: 0x4B000000 | q is 2^23 + q.
-template <int M, int CPG>
-__device__ __forceinline__ void int4_word_dot(const Int4Gemv& w, int64_t row, uint32_t word, int kc,
-                                              const float (&xv)[M][8], float (&acc)[M]) {
+template <int M, int R, int CPG>
+__device__ __forceinline__ void int4_word_dot(const Int4Gemv& w, int64_t row, const Int4Stage<R, CPG>& st, int r,
+                                              int wi, int kc, const float (&xv)[M][8], float (&acc)[M]) {
+  const uint32_t word = st.wd[r][wi];
   const int g0 = kc >> int(w.group_shift);
 #pragma unroll
   for (int gi = 0; gi < 8 / CPG; ++gi) {
     const int64_t g = row * w.n_groups + g0 + gi;
     const float offset = 8388608.f + (w.zeros ? float(w.zeros[g]) : 8.f);
-    const float scale = __half2float(w.scales[g]);
+    float scale;
+    if constexpr (Int4Stage<R, CPG>::kScales)
+      scale = st.scale[r][wi][gi];
+    else
+      scale = __half2float(w.scales[g]);
     float q[CPG];
 #pragma unroll
     for (int c = 0; c < CPG; ++c)
@@ -62,44 +177,37 @@ __device__ __forceinline__ void int4_word_dot(const Int4Gemv& w, int64_t row, ui
   }
 }
 
-// acc[r][mi] += W[row0 + r] · x[mi] over all of K, for the interleaved INT4 layout. The R rows'
-// weight words are loaded first (R independent 16-byte loads in flight), then each word position's
-// x values once for all rows.
-template <int M, int R, int CPG>
-__device__ __forceinline__ void int4_rows_dot(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k,
-                                              const float* __restrict__ x, int64_t x_stride, int m,
-                                              float (&acc)[R][M]) {
+template <int M, int R, int CPG, bool kNorm>
+__device__ __forceinline__ void int4_stage_dot(const Int4Gemv& w, int64_t row0, int64_t n, int64_t c0,
+                                               const Int4Stage<R, CPG>& st, const XRows<M, kNorm>& xr,
+                                               float (&acc)[R][M]) {
   const int lane = threadIdx.x % 32;
-  const int64_t row_bytes = k / 2, chunks = k / 256;
+#pragma unroll
+  for (int wi = 0; wi < 4; ++wi) {
+    if (wi >= st.words) break;
+    const int kc = int(256 * (c0 + wi));
+    float xv[M][8];
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) xv[mi][j] = xr(mi, kc + lane + 32 * j);
+#pragma unroll
+    for (int r = 0; r < R; ++r) int4_word_dot<M, R, CPG>(w, row0 + r < n ? row0 + r : row0, st, r, wi, kc, xv, acc[r]);
+  }
+}
+
+// acc[r][mi] += W[row0 + r] · x[mi] over all of K, for the interleaved INT4 layout, two stages in
+// flight.
+template <int M, int R, int CPG, bool kNorm>
+__device__ __forceinline__ void int4_rows_dot(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k,
+                                              const XRows<M, kNorm>& xr, float (&acc)[R][M]) {
+  const int64_t chunks = k / 256;
+  Int4Stage<R, CPG> cur, next;
+  int4_stage_load(w, row0, n, k, 0, cur);
   for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-    const int words = chunks - c0 >= 4 ? 4 : int(chunks - c0);
-    uint32_t wd[R][4];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = row0 + r < n ? row0 + r : row0;  // rows past n: load a valid row, unused
-      const uint8_t* base = w.codes + row * row_bytes + c0 * 128;
-      if (words == 4) {
-        const uint4 v = *reinterpret_cast<const uint4*>(base + 16 * lane);
-        wd[r][0] = v.x, wd[r][1] = v.y, wd[r][2] = v.z, wd[r][3] = v.w;
-      } else {
-#pragma unroll
-        for (int wi = 0; wi < 4; ++wi)
-          wd[r][wi] = wi < words ? reinterpret_cast<const uint32_t*>(base)[lane * words + wi] : 0u;
-      }
-    }
-#pragma unroll
-    for (int wi = 0; wi < 4; ++wi) {
-      if (wi >= words) break;
-      const int kc = int(256 * (c0 + wi));
-      float xv[M][8];
-#pragma unroll
-      for (int mi = 0; mi < M; ++mi)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) xv[mi][j] = mi < m ? x[mi * x_stride + kc + lane + 32 * j] : 0.f;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        int4_word_dot<M, CPG>(w, row0 + r < n ? row0 + r : row0, wd[r][wi], kc, xv, acc[r]);
-    }
+    if (c0 + 4 < chunks) int4_stage_load(w, row0, n, k, c0 + 4, next);
+    int4_stage_dot(w, row0, n, c0, cur, xr, acc);
+    cur = next;
   }
 }
 
@@ -141,19 +249,19 @@ struct DenseVec<DenseType::kBF16> {
 };
 
 // acc[r][mi] += W[row0 + r] · x[mi] for dense rows; needs k % (32 · kPerVec) == 0.
-template <DenseType T, int M, int R>
+template <DenseType T, int M, int R, bool kNorm>
 __device__ __forceinline__ void dense_rows_dot(const void* w, int64_t row0, int64_t n, int64_t k,
-                                               const float* __restrict__ x, int64_t x_stride, int m,
-                                               float (&acc)[R][M]) {
+                                               const XRows<M, kNorm>& xr, float (&acc)[R][M]) {
   constexpr int V = DenseVec<T>::kPerVec;
   constexpr int64_t elem = T == DenseType::kF32 ? 4 : 2;
   const int lane = threadIdx.x % 32;
+#pragma unroll 4
   for (int64_t k0 = V * lane; k0 < k; k0 += 32 * V) {
     float xv[M][V];
 #pragma unroll
     for (int mi = 0; mi < M; ++mi)
 #pragma unroll
-      for (int i = 0; i < V; ++i) xv[mi][i] = mi < m ? x[mi * x_stride + k0 + i] : 0.f;
+      for (int i = 0; i < V; ++i) xv[mi][i] = xr(mi, k0 + i);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (row0 + r >= n) break;
@@ -167,56 +275,108 @@ __device__ __forceinline__ void dense_rows_dot(const void* w, int64_t row0, int6
   }
 }
 
+template <DenseType T, int R>
+__device__ __forceinline__ void dense_rows_prefetch(const void* w, int64_t row0, int64_t n, int64_t k) {
+  constexpr int64_t elem = T == DenseType::kF32 ? 4 : 2;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (row0 + r >= n) break;
+    const char* row = static_cast<const char*>(w) + (row0 + r) * k * elem;
+    for (int64_t off = 16 * lane; off < k * elem; off += 32 * 16) prefetch_l2(row + off);
+  }
+}
+
+// accumulate: y += result (the residual add fused into the projection), else y = result.
 template <int M, int R>
 __device__ __forceinline__ void store_rows(float (&acc)[R][M], int64_t row0, int64_t n, int m,
                                            const float* __restrict__ bias, float* __restrict__ y,
-                                           int64_t y_stride) {
+                                           int64_t y_stride, bool accumulate) {
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int mi = 0; mi < M; ++mi) {
       const float s = warp_sum(acc[r][mi]);
-      if (threadIdx.x % 32 == 0 && row0 + r < n && mi < m)
-        y[mi * y_stride + row0 + r] = s + (bias ? bias[row0 + r] : 0.f);
+      if (threadIdx.x % 32 == 0 && row0 + r < n && mi < m) {
+        float* out = y + mi * y_stride + row0 + r;
+        *out = (accumulate ? *out : 0.f) + s + (bias ? bias[row0 + r] : 0.f);
+      }
     }
 }
 
-// y[m, n] = x[m, k] · Wᵀ (+ b) for m <= M activation rows.
-template <int M, int R, int CPG>
+// What a decode GEMV does around the product: the optional RMS norm of its input rows (norm
+// weight non-null) and whether it adds into y.
+struct GemvIo {
+  const float* norm;
+  float eps;
+  bool accumulate;
+};
+
+// y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b) for m <= M activation rows. PDL: the weight rows are
+// prefetched before waiting on the kernel that produced x.
+template <int M, int R, int CPG, bool kNorm>
 __global__ void gemv_int4_kernel(Int4Gemv w, const float* __restrict__ bias, const float* __restrict__ x,
-                                 float* __restrict__ y, int m, int64_t n, int64_t k) {
+                                 float* __restrict__ y, int m, int64_t n, int64_t k, GemvIo io) {
   const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
+  if (row0 < n) int4_rows_prefetch<R>(w, row0, n, k);
+  pdl_enter();
+  XRows<M, kNorm> xr{x, k, m, io.norm, {}};
+  block_inv_rms(xr, k, io.eps);
   if (row0 >= n) return;
   float acc[R][M] = {};
-  int4_rows_dot<M, R, CPG>(w, row0, n, k, x, k, m, acc);
-  store_rows<M, R>(acc, row0, n, m, bias, y, n);
+  int4_rows_dot<M, R, CPG>(w, row0, n, k, xr, acc);
+  store_rows<M, R>(acc, row0, n, m, bias, y, n, io.accumulate);
 }
 
-template <DenseType T, int M, int R>
+template <DenseType T, int M, int R, bool kNorm>
 __global__ void gemv_dense_kernel(const void* __restrict__ w, const float* __restrict__ bias,
                                   const float* __restrict__ x, float* __restrict__ y, int m, int64_t n,
-                                  int64_t k) {
+                                  int64_t k, GemvIo io) {
   const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
+  if (row0 < n) dense_rows_prefetch<T, R>(w, row0, n, k);
+  pdl_enter();
+  XRows<M, kNorm> xr{x, k, m, io.norm, {}};
+  block_inv_rms(xr, k, io.eps);
   if (row0 >= n) return;
   float acc[R][M] = {};
-  dense_rows_dot<T, M, R>(w, row0, n, k, x, k, m, acc);
-  store_rows<M, R>(acc, row0, n, m, bias, y, n);
+  dense_rows_dot<T, M, R>(w, row0, n, k, xr, acc);
+  store_rows<M, R>(acc, row0, n, m, bias, y, n, io.accumulate);
 }
 
 // MoE decode, stage 1: for token t and slot s (expert e = ids[t, s]), act[t, s, :] =
-// silu(gate_e · x_t) * (up_e · x_t). A warp computes R rows of gate and the same R rows of up.
-template <int R, int CPG>
+// silu(gate_e · x_t) * (up_e · x_t), x_t RMS-normalised first when kNorm. A warp computes R rows
+// of gate and the same R rows of up. The expert comes from the previous kernel (the router), so
+// nothing can be prefetched before pdl_wait.
+template <int R, int CPG, bool kNorm>
 __global__ void moe_gate_up_int4_kernel(const Int4Gemv* __restrict__ gate, const Int4Gemv* __restrict__ up,
                                         const int32_t* __restrict__ ids, const float* __restrict__ x,
-                                        float* __restrict__ act, int64_t top_k, int64_t inter, int64_t hidden) {
+                                        float* __restrict__ act, int64_t top_k, int64_t inter, int64_t hidden,
+                                        const float* __restrict__ norm, float eps) {
+  pdl_enter();
   const int64_t slot = blockIdx.y;  // t * top_k + s
   const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
+  XRows<1, kNorm> xr{x + (slot / top_k) * hidden, hidden, 1, norm, {}};
+  block_inv_rms(xr, hidden, eps);
   if (row0 >= inter) return;
   const int32_t e = ids[slot];
-  const float* xt = x + (slot / top_k) * hidden;
   float g[R][1] = {}, u[R][1] = {};
-  int4_rows_dot<1, R, CPG>(gate[e], row0, inter, hidden, xt, hidden, 1, g);
-  int4_rows_dot<1, R, CPG>(up[e], row0, inter, hidden, xt, hidden, 1, u);
+  // gate and up stream together: four loads in flight per warp.
+  const Int4Gemv& wg = gate[e];
+  const Int4Gemv& wu = up[e];
+  const int64_t chunks = hidden / 256;
+  Int4Stage<R, CPG> g_cur, g_next, u_cur, u_next;
+  int4_stage_load(wg, row0, inter, hidden, 0, g_cur);
+  int4_stage_load(wu, row0, inter, hidden, 0, u_cur);
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+    if (c0 + 4 < chunks) {
+      int4_stage_load(wg, row0, inter, hidden, c0 + 4, g_next);
+      int4_stage_load(wu, row0, inter, hidden, c0 + 4, u_next);
+    }
+    int4_stage_dot(wg, row0, inter, c0, g_cur, xr, g);
+    int4_stage_dot(wu, row0, inter, c0, u_cur, xr, u);
+    g_cur = g_next;
+    u_cur = u_next;
+  }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const float gs = warp_sum(g[r][0]), us = warp_sum(u[r][0]);
@@ -224,23 +384,28 @@ __global__ void moe_gate_up_int4_kernel(const Int4Gemv* __restrict__ gate, const
   }
 }
 
-// MoE decode, stage 2: out[t, :] = Σ_s weight[t, s] · (down_e · act[t, s]). A block owns R output
-// rows of one token and has one warp per slot (top_k <= kMoeDownSlots), so all slots' weights
-// stream in parallel; the slots' partial sums meet in shared memory and are added in slot order:
-// no atomics, deterministic.
+// MoE decode, stage 2: out[t, :] (+)= Σ_s weight[t, s] · (down_e · act[t, s]). A block owns R
+// output rows of one token and has one warp per slot (top_k <= kMoeDownSlots), so all slots'
+// weights stream in parallel; the slots' partial sums meet in shared memory and are added in slot
+// order: no atomics, deterministic. The routing was written two launches back (by the router,
+// before stage 1), so the experts' rows are prefetched before pdl_wait (see pdl.cuh).
 constexpr int kMoeDownSlots = 8;
 
 template <int R, int CPG>
 __global__ void moe_down_int4_kernel(const Int4Gemv* __restrict__ down, const int32_t* __restrict__ ids,
                                      const float* __restrict__ weights, const float* __restrict__ act,
-                                     float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden) {
+                                     float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden,
+                                     bool accumulate) {
   __shared__ float partial[kMoeDownSlots][R];
   const int64_t t = blockIdx.y, row0 = int64_t(blockIdx.x) * R;
   const int s = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (s < top_k) int4_rows_prefetch<R>(down[ids[t * top_k + s]], row0, hidden, inter);
+  pdl_enter();
   if (s < top_k) {
     const int64_t slot = t * top_k + s;
     float acc[R][1] = {};
-    int4_rows_dot<1, R, CPG>(down[ids[slot]], row0, hidden, inter, act + slot * inter, inter, 1, acc);
+    const XRows<1, false> xr{act + slot * inter, inter, 1, nullptr, {}};
+    int4_rows_dot<1, R, CPG>(down[ids[slot]], row0, hidden, inter, xr, acc);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const float v = warp_sum(acc[r][0]);
@@ -251,7 +416,8 @@ __global__ void moe_down_int4_kernel(const Int4Gemv* __restrict__ down, const in
   if (threadIdx.x < R && row0 + threadIdx.x < hidden) {
     float total = 0.f;
     for (int64_t j = 0; j < top_k; ++j) total += partial[j][threadIdx.x];
-    out[t * hidden + row0 + threadIdx.x] = total;
+    float* o = out + t * hidden + row0 + threadIdx.x;
+    *o = (accumulate ? *o : 0.f) + total;
   }
 }
 

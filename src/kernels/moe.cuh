@@ -7,25 +7,28 @@
 
 #include <cstdint>
 
+#include "kernels/gemv.cuh"
+#include "kernels/pdl.cuh"
+
 namespace nibble::kernels {
 
 constexpr int64_t kMoeMaxTopK = 32;
 
 constexpr int kMoeMaxExpertsPerLane = 16;  // 512 experts
 
-__global__ void moe_route_kernel(const float* __restrict__ logits, int64_t m, int64_t n_experts,
-                                 int64_t top_k, bool normalize, int32_t* __restrict__ ids,
-                                 float* __restrict__ weights) {
-  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+// Routes one token, by one warp: softmax over logits[n_experts], top_k arg-max rounds, ids and
+// weights [top_k] written by lanes 0..top_k-1. Logits are read through L2 (__ldcg): in the fused
+// router they were written by other blocks of the same kernel.
+__device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t n_experts, int64_t top_k,
+                                            bool normalize, int32_t* __restrict__ ids,
+                                            float* __restrict__ weights) {
   const int lane = threadIdx.x % 32;
-  if (t >= m) return;
-  const float* l = logits + t * n_experts;
   float v[kMoeMaxExpertsPerLane];  // expert lane + 32 i
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kMoeMaxExpertsPerLane; ++i) {
     const int64_t e = lane + 32 * i;
-    v[i] = e < n_experts ? l[e] : -INFINITY;
+    v[i] = e < n_experts ? __ldcg(l + e) : -INFINITY;
     mx = fmaxf(mx, v[i]);
   }
   for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
@@ -57,9 +60,52 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int64_t m, in
       if (lane + 32 * i == best_e) v[i] = -INFINITY;  // taken
   }
   if (lane < top_k) {
-    ids[t * top_k + lane] = chosen;
-    weights[t * top_k + lane] = chosen_p / (normalize ? top_sum : 1.f);
+    ids[lane] = chosen;
+    weights[lane] = chosen_p / (normalize ? top_sum : 1.f);
   }
+}
+
+__global__ void moe_route_kernel(const float* __restrict__ logits, int64_t m, int64_t n_experts,
+                                 int64_t top_k, bool normalize, int32_t* __restrict__ ids,
+                                 float* __restrict__ weights) {
+  pdl_enter();
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (t >= m) return;
+  route_token(logits + t * n_experts, n_experts, top_k, normalize, ids + t * top_k, weights + t * top_k);
+}
+
+// The router GEMV (BF16/F16/F32 rows, input RMS-normalised when kNorm) and the routing in one
+// launch: every block writes its experts' logits, and the last block to finish (a counter, reset
+// by that block for the next launch) routes all m tokens. Saves a launch and its latency per MoE
+// layer.
+template <DenseType T, int M, bool kNorm>
+__global__ void moe_router_kernel(const void* __restrict__ w, const float* __restrict__ x, int m,
+                                  int64_t n_experts, int64_t hidden, const float* __restrict__ norm, float eps,
+                                  float* __restrict__ logits, int64_t top_k, bool normalize,
+                                  int32_t* __restrict__ ids, float* __restrict__ weights,
+                                  unsigned* __restrict__ counter) {
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row < n_experts) dense_rows_prefetch<T, 1>(w, row, n_experts, hidden);
+  pdl_enter();
+  XRows<M, kNorm> xr{x, hidden, m, norm, {}};
+  block_inv_rms(xr, hidden, eps);
+  if (row < n_experts) {
+    float acc[1][M] = {};
+    dense_rows_dot<T, M, 1>(w, row, n_experts, hidden, xr, acc);
+    store_rows<M, 1>(acc, row, n_experts, m, nullptr, logits, n_experts, false);
+  }
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's logits are visible before it is counted
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int64_t t = threadIdx.x / 32; t < m; t += blockDim.x / 32)
+    route_token(logits + t * n_experts, n_experts, top_k, normalize, ids + t * top_k, weights + t * top_k);
+  if (threadIdx.x == 0) *counter = 0;
 }
 
 __global__ void gather_rows_kernel(const float* __restrict__ src, const int32_t* __restrict__ rows,

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kernels/linear.cuh"
+#include "kernels/pdl.cuh"
 
 namespace nibble::kernels {
 
@@ -16,6 +17,7 @@ constexpr int kNormMaxPerThread = 8;  // dim <= 8192 with 1024 threads
 __global__ void rms_norm_block_kernel(const float* __restrict__ x_in, const float* __restrict__ delta,
                                       float* __restrict__ x_out, const float* __restrict__ w,
                                       float* __restrict__ y, int64_t dim, float eps) {
+  pdl_enter();
   __shared__ float partial[32];
   const int64_t base = int64_t(blockIdx.x) * dim;
   float v[kNormMaxPerThread];
@@ -58,6 +60,7 @@ __global__ void qk_norm_rope_kv_write_kernel(const float* q_in, float* q_out, in
                                              const int32_t* __restrict__ positions, int64_t n_head,
                                              int64_t n_head_kv, int64_t head_dim, float* __restrict__ k_cache,
                                              float* __restrict__ v_cache) {
+  pdl_enter();
   constexpr int kMaxPerLane = 8;  // head_dim <= 256
   const int64_t t = blockIdx.x, h = int64_t(blockIdx.y) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;

@@ -16,7 +16,7 @@
 
 namespace nibble {
 
-// Called with every named intermediate of a forward pass ("layers.3.attn_out", [rows, dim]) when
+// Called with every named intermediate of a forward pass ("layers.3.out", [rows, dim]) when
 // set: the hook for dumping a model layer by layer and comparing it with the reference.
 using Tracer = std::function<void(const std::string& name, const float* data, int64_t rows, int64_t dim)>;
 

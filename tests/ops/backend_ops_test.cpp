@@ -10,6 +10,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "backend/backend.h"
 #include "core/status.h"
@@ -32,7 +33,9 @@ class OpsTest : public ::testing::Test {
   }
   // A test that ran on a GPU must have compared something.
   void TearDown() override {
-    if (gpu_) EXPECT_GT(cases_, 0) << "no case was compared";
+    if (gpu_) {
+      EXPECT_GT(cases_, 0) << "no case was compared";
+    }
   }
 
   std::vector<float> random(int64_t n, float scale = 1.f) {
@@ -338,6 +341,62 @@ TEST_F(OpsTest, MoeBlock) {
       }
     }
   }
+}
+
+// The residual-stream fusions (norm in the projection's prologue, add in its store, and both
+// around the MoE block) against the CPU's composition of the plain ops. m <= 8 takes the fused
+// decode kernels, m = 12 the composed fallback.
+TEST_F(OpsTest, FusedResidualOps) {
+  for (auto [format, group] : {std::pair<WeightFormat, int64_t>{WeightFormat::kInt4, 128}, {WeightFormat::kInt4, 32},
+                               {WeightFormat::kBF16, 0}, {WeightFormat::kF32, 0}})
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 1024}, {2048, 768}, {520, 2048}})
+      for (int64_t m : {1, 3, 8, 12}) {
+        LinearWeight host = random_weight(format, n, k, group, m == 3);
+        LinearWeight dev = gpu_->upload(host);
+        const std::string what = fmt::format("{} g{} m={} n={} k={}", weight_format_name(format), group, m, n, k);
+        auto x = random(m * k, 3.f);
+        WeightVector norm = host_vector(random(k));
+        std::vector<float> want(size_t(m * n));
+        cpu_->rms_norm_linear(x.data(), norm, 1e-6f, host, m, want.data());
+        float* out = poisoned_gpu(m * n);
+        gpu_->rms_norm_linear(on_gpu(x), gpu_->upload(norm), 1e-6f, dev, m, out);
+        expect_close(to_host(out, m * n), want, "rms_norm_linear " + what);
+
+        auto residual = random(m * n, 2.f);
+        want = residual;
+        cpu_->linear_add(host, x.data(), m, want.data());
+        float* res = on_gpu(residual);
+        gpu_->linear_add(dev, on_gpu(x), m, res);
+        expect_close(to_host(res, m * n), want, "linear_add " + what);
+      }
+
+  for (auto [H, inter, E, top_k] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1024, 768, 16, 4}, {512, 256, 128, 8}})
+    for (int64_t m : {1, 2, 8, 12}) {
+      MoeWeights host, dev;
+      host.top_k = dev.top_k = top_k;
+      host.normalize = dev.normalize = m != 2;
+      host.router = random_weight(WeightFormat::kBF16, E, H);
+      dev.router = gpu_->upload(host.router);
+      for (int64_t e = 0; e < E; ++e) {
+        host.experts.push_back({random_weight(WeightFormat::kInt4, inter, H, 128),
+                                random_weight(WeightFormat::kInt4, inter, H, 128),
+                                random_weight(WeightFormat::kInt4, H, inter, 128)});
+        const MlpWeights& ex = host.experts.back();
+        dev.experts.push_back({gpu_->upload(ex.gate), gpu_->upload(ex.up), gpu_->upload(ex.down)});
+      }
+      WeightVector norm = host_vector(random(H));
+      auto x = random(m * H, 2.f);
+      std::vector<float> want = x;
+      cpu_->rms_norm_moe_add(norm, 1e-6f, host, m, want.data());
+      float* got = on_gpu(x);
+      // Twice on the GPU: the fused router's block counter must be back at 0 after each launch.
+      for (int rep = 0; rep < 2; ++rep) {
+        gpu_->copy_to_backend(got, x.data(), x.size() * 4);
+        gpu_->rms_norm_moe_add(gpu_->upload(norm), 1e-6f, dev, m, got);
+        expect_close(to_host(got, m * H), want,
+                     fmt::format("rms_norm_moe_add {}x{} E={} k={} m={} rep {}", H, inter, E, top_k, m, rep));
+      }
+    }
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/int4_layout.h"
+#include "backend/cuda/kernel_trace.h"
 #include "backend/cuda/launch.h"
 #include "core/status.h"
 
@@ -104,6 +105,10 @@ class CudaBackend final : public Backend {
     NIBBLE_CHECK(err == cudaSuccess && count > 0, "--device cuda: no CUDA GPU is available ({})",
                  err == cudaSuccess ? "no devices" : cudaGetErrorString(err));
     CUDA_CHECK(cudaSetDevice(0));
+    route_counter_ = Buffer(*this, sizeof(unsigned));
+    CUDA_CHECK(cudaMemset(route_counter_.data(), 0, sizeof(unsigned)));
+    attention_counters_ = Buffer(*this, cuda::kAttentionMaxPairs * sizeof(unsigned));
+    CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, cuda::kAttentionMaxPairs * sizeof(unsigned)));
   }
   std::string name() const override { return "cuda"; }
   std::string description() const override {
@@ -139,6 +144,8 @@ class CudaBackend final : public Backend {
   }
 
   ~CudaBackend() override {
+    route_counter_ = Buffer();
+    attention_counters_ = Buffer();
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
     for (auto& [size, blocks] : free_blocks_)
       for (void* p : blocks) cudaFree(p);
@@ -278,10 +285,7 @@ class CudaBackend final : public Backend {
 
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
     OpProfiler::Scope scope(profiler_, w.format == WeightFormat::kInt4 ? "linear int4" : w.n > 100000 ? "lm_head" : "linear dense");
-    const bool gemv = w.format == WeightFormat::kInt4
-                          ? w.int4.layout == Int4Layout::kWarpInterleaved
-                          : w.k % (32 * cuda::dense_per_vec(dense_type(w.format))) == 0;
-    if (!gemv) {
+    if (!gemv_layout(w)) {
       if (w.format == WeightFormat::kInt4)
         cuda::linear_int4(w.int4.codes, w.int4.scales, w.int4.zeros, w.bias, x, out, m, w.n, w.k,
                           w.int4.group_size, w.int4.n_groups);
@@ -290,14 +294,29 @@ class CudaBackend final : public Backend {
       CUDA_CHECK_LAUNCH("linear");
       return;
     }
-    for (int64_t m0 = 0; m0 < m; m0 += cuda::kGemvMaxM) {
-      const int64_t rows = std::min(cuda::kGemvMaxM, m - m0);
-      if (w.format == WeightFormat::kInt4)
-        cuda::gemv_int4(int4_device(w), w.bias, x + m0 * w.k, out + m0 * w.n, rows, w.n, w.k);
-      else
-        cuda::gemv_dense(dense_type(w.format), w.dense, w.bias, x + m0 * w.k, out + m0 * w.n, rows, w.n, w.k);
-      CUDA_CHECK_LAUNCH("gemv");
-    }
+    for (int64_t m0 = 0; m0 < m; m0 += cuda::kGemvMaxM)
+      gemv(w, x + m0 * w.k, std::min(cuda::kGemvMaxM, m - m0), out + m0 * w.n, {});
+  }
+
+  // The fused residual-stream forms (see Backend): decode shapes on the GEMV kernels with the norm
+  // in their prologue or the add in their store; everything else composes the plain ops.
+  void rms_norm_linear(const float* x, const WeightVector& norm, float eps, const LinearWeight& w, int64_t m,
+                       float* out) override {
+    if (m > cuda::kGemvMaxM || !gemv_layout(w)) return Backend::rms_norm_linear(x, norm, eps, w, m, out);
+    OpProfiler::Scope scope(profiler_, w.n > 100000 ? "lm_head" : "norm+linear");
+    gemv(w, x, m, out, {norm.data, eps, false});
+  }
+
+  void linear_add(const LinearWeight& w, const float* a, int64_t m, float* x) override {
+    if (m > cuda::kGemvMaxM || !gemv_layout(w)) return Backend::linear_add(w, a, m, x);
+    OpProfiler::Scope scope(profiler_, "linear+add");
+    gemv(w, a, m, x, {nullptr, 0.f, true});
+  }
+
+  void rms_norm_moe_add(const WeightVector& norm, float eps, const MoeWeights& w, int64_t m, float* x) override {
+    if (!moe_decode(w, m)) return Backend::rms_norm_moe_add(norm, eps, w, m, x);
+    OpProfiler::Scope scope(profiler_, "norm+moe+add");
+    run_moe_decode(w, x, norm.data, eps, m, x, true);
   }
 
   void embed(const LinearWeight& table, const int32_t* ids, int64_t m, float* out) override {
@@ -346,8 +365,10 @@ class CudaBackend final : public Backend {
                  head_dim, cuda::kAttentionMaxHeadDim);
     if (m <= cuda::kGemvMaxM) {  // decode: split the context across blocks
       Buffer partial(*this, size_t(cuda::attention_split_floats(m, max_context, n_head, head_dim)) * 4);
-      cuda::attention_split(q, k_cache, v_cache, partial.data(), out, m, positions, max_context, n_head,
-                            n_head_kv, head_dim, scale);
+      if (!cuda::attention_decode(q, k_cache, v_cache, partial.data(), out, attention_counters_.data<unsigned>(), m,
+                                  positions, max_context, n_head, n_head_kv, head_dim, scale))
+        cuda::attention_split(q, k_cache, v_cache, partial.data(), out, m, positions, max_context, n_head,
+                              n_head_kv, head_dim, scale);
     } else {
       cuda::attention(q, k_cache, v_cache, out, m, positions, n_head, n_head_kv, head_dim, scale);
     }
@@ -372,20 +393,14 @@ class CudaBackend final : public Backend {
 
   void moe(const MoeWeights& w, const float* x, int64_t m, float* out) override {
     OpProfiler::Scope scope(profiler_, "moe");
+    if (moe_decode(w, m)) {
+      run_moe_decode(w, x, nullptr, 0.f, m, out, false);
+      return;
+    }
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
     linear(w.router, x, m, logits.data());
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
-    if (const ExpertTables* tables = expert_tables(w); tables && m <= cuda::kGemvMaxM && K <= cuda::kMoeDecodeMaxTopK) {
-      // Decode: routing stays on the device; two launches cover every selected expert.
-      const int64_t inter = w.experts[0].gate.n;
-      Buffer act(*this, size_t(m * K * inter) * 4);
-      cuda::moe_decode_int4(tables->gate.data<cuda::Int4Device>(), tables->up.data<cuda::Int4Device>(),
-                            tables->down.data<cuda::Int4Device>(), tables->group_shift, ids.data<int32_t>(),
-                            weights.data(), x, act.data(), out, m, K, inter, H);
-      CUDA_CHECK_LAUNCH("moe_decode_int4");
-      return;
-    }
     if (capturing_) {  // the grouped path reads the routing back to the host: not recordable
       capture_failed_ = true;
       return;
@@ -422,6 +437,15 @@ class CudaBackend final : public Backend {
       cuda::scatter_add_weighted(result.data(), dev_rows.data<int32_t>(), dev_w.data(), n, H, out);
       CUDA_CHECK_LAUNCH("scatter_add_weighted");
     }
+  }
+
+  bool start_trace(std::string* why_not) override {
+    CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
+    return cuda::kernel_trace_start(why_not);
+  }
+  std::vector<KernelSpan> stop_trace() override {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return cuda::kernel_trace_stop();
   }
 
   bool supports_graphs() const override { return true; }
@@ -470,6 +494,43 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Whether w is in a layout the decode GEMV kernels read (interleaved INT4, or dense rows whose
+  // length is a whole number of 16-byte vectors per lane).
+  static bool gemv_layout(const LinearWeight& w) {
+    return w.format == WeightFormat::kInt4 ? w.int4.layout == Int4Layout::kWarpInterleaved
+                                           : w.k % (32 * cuda::dense_per_vec(dense_type(w.format))) == 0;
+  }
+
+  void gemv(const LinearWeight& w, const float* x, int64_t m, float* out, const cuda::GemvIo& io) {
+    if (w.format == WeightFormat::kInt4)
+      cuda::gemv_int4(int4_device(w), w.bias, x, out, m, w.n, w.k, io);
+    else
+      cuda::gemv_dense(dense_type(w.format), w.dense, w.bias, x, out, m, w.n, w.k, io);
+    CUDA_CHECK_LAUNCH("gemv");
+  }
+
+  // The fused MoE decode: router GEMV + routing in one launch, then gate/up (+SiLU) and down (+the
+  // routing-weighted sum, + the residual when accumulate) over all selected experts in one launch
+  // each. Needs interleaved INT4 experts and a dense router in a GEMV layout.
+  bool moe_decode(const MoeWeights& w, int64_t m) {
+    return m <= cuda::kGemvMaxM && w.top_k <= cuda::kMoeDecodeMaxTopK && w.router.n <= cuda::kMoeMaxExperts &&
+           w.router.format != WeightFormat::kInt4 && gemv_layout(w.router) && expert_tables(w);
+  }
+  void run_moe_decode(const MoeWeights& w, const float* x, const float* norm, float eps, int64_t m, float* out,
+                      bool accumulate) {
+    const ExpertTables* tables = expert_tables(w);
+    const int64_t H = w.router.k, E = w.router.n, K = w.top_k, inter = w.experts[0].gate.n;
+    Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
+    Buffer act(*this, size_t(m * K * inter) * 4);
+    cuda::moe_router(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(), K,
+                     w.normalize, ids.data<int32_t>(), weights.data(), route_counter_.data<unsigned>());
+    CUDA_CHECK_LAUNCH("moe_router");
+    cuda::moe_decode_int4(tables->gate.data<cuda::Int4Device>(), tables->up.data<cuda::Int4Device>(),
+                          tables->down.data<cuda::Int4Device>(), tables->group_shift, ids.data<int32_t>(),
+                          weights.data(), x, norm, eps, act.data(), out, accumulate, m, K, inter, H);
+    CUDA_CHECK_LAUNCH("moe_decode_int4");
+  }
+
   static cuda::Int4Device int4_device(const LinearWeight& w) {
     return {w.int4.codes, w.int4.scales, w.int4.zeros, cuda::int4_group_shift(w.k, w.int4.group_size),
             w.int4.n_groups};
@@ -531,6 +592,8 @@ class CudaBackend final : public Backend {
   std::unordered_map<uint64_t, cudaGraphExec_t> graphs_;
   std::unordered_map<size_t, std::vector<void*>> free_blocks_;
   std::unordered_map<void*, size_t> block_size_;
+  Buffer route_counter_;  // the fused router's "last block routes" counter, 0 between launches
+  Buffer attention_counters_;  // decode attention's "last split merges" counters, 0 between launches
 };
 
 }  // namespace

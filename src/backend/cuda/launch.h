@@ -33,23 +33,44 @@ void linear_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* ze
                  int64_t n_groups);
 // Row-major INT4 codes [n][k/2] -> the warp-interleaved layout (k % 256 == 0), device to device.
 void int4_interleave(const uint8_t* src, uint8_t* dst, int64_t n, int64_t k);
+// What a decode GEMV does around the product: with `norm`, the input rows are RMS-normalised
+// (times norm) first (k % 4 == 0); with `accumulate`, y += result instead of y = result.
+struct GemvIo {
+  const float* norm = nullptr;
+  float eps = 0.f;
+  bool accumulate = false;
+};
 // Decode GEMV (m <= kGemvMaxM activation rows).
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
-               int64_t k);
+               int64_t k, const GemvIo& io = {});
 void gemv_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
-                int64_t n, int64_t k);
+                int64_t n, int64_t k, const GemvIo& io = {});
+// Router GEMV (x normalised with `norm` when non-null) and top-k routing of m <= kGemvMaxM tokens
+// in one launch; logits [m, n_experts] is scratch, counter a device word that is 0 between launches.
+void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden,
+                const float* norm, float eps, float* logits, int64_t top_k, bool normalize, int32_t* ids,
+                float* weights, unsigned* counter);
 // MoE decode for m <= kGemvMaxM tokens with device-side routing (ids/weights [m, top_k]): the
 // tables hold each expert's gate/up/down matrix (device arrays of Int4Device, n_experts long),
-// all with the same group_shift; act is scratch [m * top_k, inter]. top_k <= kMoeDecodeMaxTopK.
+// all with the same group_shift; act is scratch [m * top_k, inter]. x is normalised with `norm`
+// when non-null; out += result when accumulate. top_k <= kMoeDecodeMaxTopK.
 constexpr int64_t kMoeDecodeMaxTopK = 8;
 void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down,
                      int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
-                     float* act, float* out, int64_t m, int64_t top_k, int64_t inter, int64_t hidden);
+                     const float* norm, float eps, float* act, float* out, bool accumulate, int64_t m,
+                     int64_t top_k, int64_t inter, int64_t hidden);
 // Split-K attention; partial is scratch of attention_split_floats(...) floats.
 int64_t attention_split_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim);
 void attention_split(const float* q, const float* k, const float* v, float* partial, float* out,
                      int64_t m, const int32_t* positions, int64_t max_context, int64_t n_head,
                      int64_t n_head_kv, int64_t head_dim, float scale);
+// Decode attention in one launch (kernels/attention.cuh attention_decode_kernel): head_dim 64 or
+// 128, GQA groups up to 8; false (nothing launched) for other shapes. partial as for
+// attention_split; counters: kAttentionMaxPairs device words, 0 between launches.
+constexpr int64_t kAttentionMaxPairs = 4096;
+bool attention_decode(const float* q, const float* k, const float* v, float* partial, float* out,
+                      unsigned* counters, int64_t m, const int32_t* positions, int64_t max_context,
+                      int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale);
 void embed(Dense type, const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out);
 // delta non-null: x += delta first (the fused residual add). dim <= kNormMaxDim.
 constexpr int64_t kNormMaxDim = 8192;

@@ -1,6 +1,10 @@
 // Launch configurations of the reference CUDA kernels (kernels/*.cuh); see launch.h.
+#include <cuda_runtime.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
+#include <utility>
 
 #include "backend/cuda/launch.h"
 #include "kernels/attention.cuh"
@@ -12,6 +16,37 @@
 
 namespace nibble::cuda {
 namespace {
+
+// Launches a kernel that follows the PDL rule of kernels/pdl.cuh with programmatic stream
+// serialisation, so it may start before its predecessor ends (sm_90+; plain launch before).
+bool pdl_supported() {
+  static const bool supported = [] {
+    int major = 0;
+    if (std::getenv("NIBBLE_NO_PDL")) return false;  // for measuring what PDL buys
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess && major >= 9;
+  }();
+  return supported;
+}
+
+template <typename... Params, typename... Args>
+void launch_pdl_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = cudaStreamPerThread;
+  config.attrs = &attr;
+  config.numAttrs = pdl_supported() ? 1 : 0;
+  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, Args&&... args) {
+  launch_pdl_smem(kernel, grid, block, 0, std::forward<Args>(args)...);
+}
 
 unsigned blocks_for(int64_t threads_total, int threads_per_block) {
   return unsigned((threads_total + threads_per_block - 1) / threads_per_block);
@@ -38,7 +73,7 @@ struct LinearDense {
 template <kernels::DenseType T>
 struct Embed {
   static void run(const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out) {
-    kernels::embed_kernel<T><<<unsigned(m), 256>>>(table, ids, dim, out);
+    launch_pdl(kernels::embed_kernel<T>, unsigned(m), 256, table, ids, dim, out);
   }
 };
 
@@ -67,12 +102,51 @@ void gemv_dispatch(int64_t m, int64_t n, Launch&& launch) {
     launch(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{}, grid(1));
 }
 
+template <typename Fn>
+void dispatch_norm(const GemvIo& io, Fn&& fn) {
+  if (io.norm)
+    fn(std::true_type{});
+  else
+    fn(std::false_type{});
+}
+
+kernels::GemvIo to_kernel(const GemvIo& io) { return {io.norm, io.eps, io.accumulate}; }
+
 template <kernels::DenseType T>
 struct GemvDense {
-  static void run(const void* w, const float* bias, const float* x, float* y, int64_t m, int64_t n, int64_t k) {
-    gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
-      kernels::gemv_dense_kernel<T, M.value, R.value><<<grid, 32 * kGemvWarps>>>(w, bias, x, y, int(m), n, k);
+  static void run(const void* w, const float* bias, const float* x, float* y, int64_t m, int64_t n, int64_t k,
+                  const GemvIo& io) {
+    dispatch_norm(io, [&](auto kNorm) {
+      gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
+        launch_pdl(kernels::gemv_dense_kernel<T, M.value, R.value, kNorm.value>, grid, 32 * kGemvWarps, w, bias,
+                   x, y, int(m), n, k, to_kernel(io));
+      });
     });
+  }
+};
+
+template <kernels::DenseType T>
+struct MoeRouter {
+  static void run(const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden, const float* norm,
+                  float eps, float* logits, int64_t top_k, bool normalize, int32_t* ids, float* weights,
+                  unsigned* counter) {
+    const unsigned grid = blocks_for(n_experts, kGemvWarps);
+    auto go = [&](auto M, auto kNorm) {
+      launch_pdl(kernels::moe_router_kernel<T, M.value, kNorm.value>, grid, 32 * kGemvWarps, w, x, int(m), n_experts,
+                 hidden, norm, eps, logits, top_k, normalize, ids, weights, counter);
+    };
+    auto with_m = [&](auto kNorm) {
+      if (m == 1)
+        go(std::integral_constant<int, 1>{}, kNorm);
+      else if (m <= 4)
+        go(std::integral_constant<int, 4>{}, kNorm);
+      else
+        go(std::integral_constant<int, 8>{}, kNorm);
+    };
+    if (norm)
+      with_m(std::true_type{});
+    else
+      with_m(std::false_type{});
   }
 };
 
@@ -106,33 +180,51 @@ void dispatch_cpg(int64_t group_shift, Fn&& fn) {
 }
 
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
-               int64_t k) {
+               int64_t k, const GemvIo& io) {
   const kernels::Int4Gemv kw = to_kernel(w);
-  dispatch_cpg(w.group_shift, [&](auto CPG) {
-    gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
-      kernels::gemv_int4_kernel<M.value, R.value, CPG.value><<<grid, 32 * kGemvWarps>>>(kw, bias, x, y, int(m), n, k);
+  dispatch_norm(io, [&](auto kNorm) {
+    dispatch_cpg(w.group_shift, [&](auto CPG) {
+      gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
+        launch_pdl(kernels::gemv_int4_kernel<M.value, R.value, CPG.value, kNorm.value>, grid, 32 * kGemvWarps, kw,
+                   bias, x, y, int(m), n, k, to_kernel(io));
+      });
     });
   });
 }
 
 void gemv_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
-                int64_t n, int64_t k) {
-  dispatch_dense<GemvDense>(type, w, bias, x, y, m, n, k);
+                int64_t n, int64_t k, const GemvIo& io) {
+  dispatch_dense<GemvDense>(type, w, bias, x, y, m, n, k, io);
+}
+
+void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden,
+                const float* norm, float eps, float* logits, int64_t top_k, bool normalize, int32_t* ids,
+                float* weights, unsigned* counter) {
+  dispatch_dense<MoeRouter>(type, w, x, m, n_experts, hidden, norm, eps, logits, top_k, normalize, ids, weights,
+                            counter);
 }
 
 void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down,
                      int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
-                     float* act, float* out, int64_t m, int64_t top_k, int64_t inter, int64_t hidden) {
+                     const float* norm, float eps, float* act, float* out, bool accumulate, int64_t m,
+                     int64_t top_k, int64_t inter, int64_t hidden) {
   constexpr int kRows = 2;
   const auto* g = reinterpret_cast<const kernels::Int4Gemv*>(gate);
   const auto* u = reinterpret_cast<const kernels::Int4Gemv*>(up);
   const auto* d = reinterpret_cast<const kernels::Int4Gemv*>(down);
   dispatch_cpg(group_shift, [&](auto CPG) {
     const dim3 grid1(blocks_for((inter + kRows - 1) / kRows, kGemvWarps), unsigned(m * top_k));
-    kernels::moe_gate_up_int4_kernel<kRows, CPG.value><<<grid1, 32 * kGemvWarps>>>(g, u, ids, x, act, top_k, inter, hidden);
+    auto gate_up = [&](auto kNorm) {
+      launch_pdl(kernels::moe_gate_up_int4_kernel<kRows, CPG.value, kNorm.value>, grid1, 32 * kGemvWarps, g, u,
+                 ids, x, act, top_k, inter, hidden, norm, eps);
+    };
+    if (norm)
+      gate_up(std::true_type{});
+    else
+      gate_up(std::false_type{});
     const dim3 grid2(unsigned((hidden + kRows - 1) / kRows), unsigned(m));
-    kernels::moe_down_int4_kernel<kRows, CPG.value><<<grid2, 32 * kernels::kMoeDownSlots>>>(d, ids, weights, act, out,
-                                                                                           top_k, inter, hidden);
+    launch_pdl(kernels::moe_down_int4_kernel<kRows, CPG.value>, grid2, 32 * kernels::kMoeDownSlots, d, ids,
+               weights, act, out, top_k, inter, hidden, accumulate);
   });
 }
 
@@ -149,8 +241,8 @@ void attention_split(const float* q, const float* k, const float* v, float* part
   // GQA groups of up to 8 heads (Qwen3-30B-A3B: 32 / 4) share each K/V row read; head_dim <= 128.
   auto gqa = [&](auto G) {
     const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
-    kernels::attention_split_gqa_kernel<G.value><<<grid, 32 * kernels::kAttentionSplitWarps>>>(
-        q, k, v, partial, positions, n_head, n_head_kv, head_dim, scale, n_splits);
+    launch_pdl(kernels::attention_split_gqa_kernel<G.value>, grid, 32 * kernels::kAttentionSplitWarps, q, k, v,
+               partial, positions, n_head, n_head_kv, head_dim, scale, n_splits);
   };
   if (head_dim <= kernels::kAttentionMaxHeadDim / 2 && group > 1 && group <= 8) {
     if (group <= 2)
@@ -161,10 +253,39 @@ void attention_split(const float* q, const float* k, const float* v, float* part
       gqa(std::integral_constant<int, 8>{});
   } else {
     const dim3 grid(unsigned(m * n_head), unsigned(n_splits));
-    kernels::attention_split_kernel<<<grid, 32 * kernels::kAttentionSplitWarps>>>(
-        q, k, v, partial, positions, n_head, n_head_kv, head_dim, scale, n_splits);
+    launch_pdl(kernels::attention_split_kernel, grid, 32 * kernels::kAttentionSplitWarps, q, k, v, partial,
+               positions, n_head, n_head_kv, head_dim, scale, n_splits);
   }
-  kernels::attention_merge_kernel<<<unsigned(m * n_head), 128>>>(partial, out, m * n_head, head_dim, n_splits);
+  launch_pdl(kernels::attention_merge_kernel, unsigned(m * n_head), 128, partial, out, m * n_head, head_dim,
+             n_splits);
+}
+
+bool attention_decode(const float* q, const float* k, const float* v, float* partial, float* out,
+                      unsigned* counters, int64_t m, const int32_t* positions, int64_t max_context,
+                      int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
+  const int64_t group = n_head / n_head_kv;
+  if ((head_dim != 64 && head_dim != 128) || group > 8 || m * n_head_kv > kAttentionMaxPairs) return false;
+  const int64_t n_splits = (max_context + kernels::kDecodeSplit - 1) / kernels::kDecodeSplit;
+  const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
+  auto go = [&](auto G, auto HD) {
+    launch_pdl(kernels::attention_decode_kernel<G.value, HD.value>, grid, kernels::kDecodeThreads, q, k, v, partial,
+               out, counters, positions, max_context, n_head, n_head_kv, scale, n_splits);
+  };
+  auto with_g = [&](auto HD) {
+    if (group == 1)
+      go(std::integral_constant<int, 1>{}, HD);
+    else if (group == 2)
+      go(std::integral_constant<int, 2>{}, HD);
+    else if (group <= 4)
+      go(std::integral_constant<int, 4>{}, HD);
+    else
+      go(std::integral_constant<int, 8>{}, HD);
+  };
+  if (head_dim == 64)
+    with_g(std::integral_constant<int, 64>{});
+  else
+    with_g(std::integral_constant<int, 128>{});
+  return true;
 }
 
 void linear_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, const float* bias,
@@ -182,7 +303,7 @@ void rms_norm(const float* x, const float* delta, float* x_out, const float* w, 
               int64_t dim, float eps) {
   static_assert(kNormMaxDim == 1024 * kernels::kNormMaxPerThread);
   const int threads = int(std::min<int64_t>(1024, (dim + 31) / 32 * 32));
-  kernels::rms_norm_block_kernel<<<unsigned(rows), threads>>>(x, delta, x_out, w, y, dim, eps);
+  launch_pdl(kernels::rms_norm_block_kernel, unsigned(rows), threads, x, delta, x_out, w, y, dim, eps);
 }
 
 void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, const float* k_new,
@@ -192,10 +313,9 @@ void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, co
                            int64_t head_dim, float* k_cache, float* v_cache) {
   constexpr int kWarps = 4;
   const dim3 grid(unsigned(m), unsigned((n_head + n_head_kv + kWarps - 1) / kWarps));
-  kernels::qk_norm_rope_kv_write_kernel<<<grid, 32 * kWarps>>>(q_in, q_out, q_stride, k_new, v_new, kv_stride,
-                                                               q_norm, k_norm, eps, inv_freq,
-                                                               attention_factor, positions, n_head, n_head_kv,
-                                                               head_dim, k_cache, v_cache);
+  launch_pdl(kernels::qk_norm_rope_kv_write_kernel, grid, 32 * kWarps, q_in, q_out, q_stride, k_new, v_new,
+             kv_stride, q_norm, k_norm, eps, inv_freq, attention_factor, positions, n_head, n_head_kv, head_dim,
+             k_cache, v_cache);
 }
 
 void attention(const float* q, const float* k, const float* v, float* out, int64_t m,
@@ -217,7 +337,8 @@ void add(const float* x, int64_t count, float* y) {
 void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k, bool normalize,
                int32_t* ids, float* weights) {
   static_assert(kMoeMaxTopK == kernels::kMoeMaxTopK);
-  kernels::moe_route_kernel<<<blocks_for(m, 4), 128>>>(logits, m, n_experts, top_k, normalize, ids, weights);
+  launch_pdl(kernels::moe_route_kernel, blocks_for(m, 4), 128, logits, m, n_experts, top_k, normalize, ids,
+             weights);
 }
 
 void gather_rows(const float* src, const int32_t* rows, int64_t n_rows, int64_t dim, float* dst) {

@@ -88,23 +88,25 @@ class Qwen3Moe final : public Model {
     const float eps = float(c.rms_norm_eps);
     auto floats = [&](int64_t n) { return Buffer(be, size_t(n) * sizeof(float)); };
     const int64_t nq = nh * hd, nk = nkv * hd;
-    Buffer x = floats(T * H), normed = floats(T * H), q = floats(T * nq);
+    // x is the residual stream. Norms are fused into the projections that read them and residual
+    // adds into the projections that produce them (Backend::rms_norm_linear, linear_add,
+    // rms_norm_moe_add), so a decode step has no separate norm or add kernels.
+    Buffer x = floats(T * H), q = floats(T * nq);
     Buffer qkv = floats(T * (nq + 2 * nk));  // the projections, fused or one after another
-    Buffer attn = floats(T * nh * hd), proj = floats(T * H);
+    Buffer attn = floats(T * nh * hd);
     be.embed(w_.embed, step.ids, T, x.data());
     trace("embed", x.data(), T, H);
-    // Each residual add is fused with the norm that follows it; `normed` enters every layer
-    // holding its input norm.
-    be.rms_norm(x.data(), w_.layers[0].input_norm, T, H, eps, normed.data());
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const LayerWeights& l = w_.layers[size_t(i)];
       const std::string name = "layers." + std::to_string(i);
       if (l.qkv.n) {  // rows [q | k | v] per token
-        be.linear(l.qkv, normed.data(), T, qkv.data());
+        be.rms_norm_linear(x.data(), l.input_norm, eps, l.qkv, T, qkv.data());
         const float* row = qkv.data();
         be.qk_norm_rope_kv_write(row, q.data(), nq + 2 * nk, row + nq, row + nq + nk, nq + 2 * nk, l.q_norm,
                                  l.k_norm, eps, rope_, step.positions, T, nh, nkv, hd, kv.k(i), kv.v(i));
       } else {
+        Buffer normed = floats(T * H);
+        be.rms_norm(x.data(), l.input_norm, T, H, eps, normed.data());
         float* k_new = qkv.data() + T * nq;
         float* v_new = k_new + T * nk;
         be.linear(l.q, normed.data(), T, q.data());
@@ -116,27 +118,23 @@ class Qwen3Moe final : public Model {
       trace(name + ".q", q.data(), T, nh * hd);
       be.attention(q.data(), kv.k(i), kv.v(i), T, step.positions, step.max_context, nh, nkv, hd,
                    1.f / std::sqrt(float(hd)), attn.data());
-      be.linear(l.o, attn.data(), T, proj.data());
-      trace(name + ".attn_out", proj.data(), T, H);
-      be.add_rms_norm(proj.data(), x.data(), l.post_attention_norm, T, H, eps, normed.data());
+      be.linear_add(l.o, attn.data(), T, x.data());
+      trace(name + ".attn_residual", x.data(), T, H);
       if (l.is_moe) {
-        be.moe(l.moe, normed.data(), T, proj.data());
+        be.rms_norm_moe_add(l.post_attention_norm, eps, l.moe, T, x.data());
       } else {
         const int64_t inter = l.mlp.gate.n;
-        Buffer gate = floats(T * inter), up = floats(T * inter);
+        Buffer normed = floats(T * H), gate = floats(T * inter), up = floats(T * inter);
+        be.rms_norm(x.data(), l.post_attention_norm, T, H, eps, normed.data());
         be.linear(l.mlp.gate, normed.data(), T, gate.data());
         be.linear(l.mlp.up, normed.data(), T, up.data());
         be.silu_mul(gate.data(), up.data(), T * inter, gate.data());
-        be.linear(l.mlp.down, gate.data(), T, proj.data());
+        be.linear_add(l.mlp.down, gate.data(), T, x.data());
       }
-      trace(name + ".mlp_out", proj.data(), T, H);
-      const bool last = i + 1 == c.num_hidden_layers;
-      be.add_rms_norm(proj.data(), x.data(), last ? w_.final_norm : w_.layers[size_t(i + 1)].input_norm, T,
-                      H, eps, normed.data());
       trace(name + ".out", x.data(), T, H);
     }
     const int64_t first = step.all_logits ? 0 : T - 1, rows = T - first;
-    be.linear(w_.lm_head, normed.data() + first * H, rows, step.logits);
+    be.rms_norm_linear(x.data() + first * H, w_.final_norm, eps, w_.lm_head, rows, step.logits);
     trace("logits", step.logits, rows, c.vocab_size);
   }
 
