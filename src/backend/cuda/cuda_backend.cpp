@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/gemm.h"
 #include "backend/cuda/int4_layout.h"
 #include "backend/cuda/launch.h"
 #include "core/status.h"
@@ -278,6 +279,7 @@ class CudaBackend final : public Backend {
 
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
     OpProfiler::Scope scope(profiler_, w.format == WeightFormat::kInt4 ? "linear int4" : w.n > 100000 ? "lm_head" : "linear dense");
+    if (m > cuda::kGemvMaxM && gemm(w, x, m, out)) return;
     const bool gemv = w.format == WeightFormat::kInt4
                           ? w.int4.layout == Int4Layout::kWarpInterleaved
                           : w.k % (32 * cuda::dense_per_vec(dense_type(w.format))) == 0;
@@ -376,7 +378,8 @@ class CudaBackend final : public Backend {
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
     linear(w.router, x, m, logits.data());
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
-    if (const ExpertTables* tables = expert_tables(w); tables && m <= cuda::kGemvMaxM && K <= cuda::kMoeDecodeMaxTopK) {
+    const ExpertTables* tables = expert_tables(w);
+    if (tables && m <= cuda::kGemvMaxM && K <= cuda::kMoeDecodeMaxTopK) {
       // Decode: routing stays on the device; two launches cover every selected expert.
       const int64_t inter = w.experts[0].gate.n;
       Buffer act(*this, size_t(m * K * inter) * 4);
@@ -386,6 +389,18 @@ class CudaBackend final : public Backend {
       CUDA_CHECK_LAUNCH("moe_decode_int4");
       return;
     }
+    if (tables && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+      // Prefill: the pairs are grouped by expert on the device and run as grouped tensor-core GEMMs;
+      // no host round trip, so it can be recorded too.
+      const int64_t inter = w.experts[0].gate.n;
+      Buffer scratch(*this, size_t(cuda::moe_prefill_scratch_bytes(m, K, E, inter, H)));
+      cuda::moe_prefill_int4(tables->gate.data<cuda::Int4Device>(), tables->up.data<cuda::Int4Device>(),
+                             tables->down.data<cuda::Int4Device>(), ids.data<int32_t>(), weights.data(), x, out, m,
+                             K, E, inter, H, scratch.data());
+      CUDA_CHECK_LAUNCH("moe_prefill_int4");
+      return;
+    }
+    // Experts that are not interleaved INT4 (BF16, row-major INT4): per expert, through the host.
     if (capturing_) {  // the grouped path reads the routing back to the host: not recordable
       capture_failed_ = true;
       return;
@@ -470,6 +485,22 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Prefill-shaped linears (m > kGemvMaxM) on the tensor cores: interleaved INT4 (f16 activations)
+  // and F16/BF16 (near-f32 split activations). False where the weight or x does not qualify.
+  bool gemm(const LinearWeight& w, const float* x, int64_t m, float* out) {
+    if (reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
+    if (w.format == WeightFormat::kInt4) {
+      if (w.int4.layout != Int4Layout::kWarpInterleaved) return false;
+      cuda::gemm_int4(int4_device(w), w.bias, x, out, m, w.n, w.k);
+    } else if (cuda::gemm_dense_supports(dense_type(w.format), w.k)) {
+      cuda::gemm_dense(dense_type(w.format), w.dense, w.bias, x, out, m, w.n, w.k);
+    } else {
+      return false;
+    }
+    CUDA_CHECK_LAUNCH("gemm");
+    return true;
+  }
+
   static cuda::Int4Device int4_device(const LinearWeight& w) {
     return {w.int4.codes, w.int4.scales, w.int4.zeros, cuda::int4_group_shift(w.k, w.int4.group_size),
             w.int4.n_groups};
