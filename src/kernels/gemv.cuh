@@ -109,7 +109,9 @@ __device__ __forceinline__ void int4_rows_prefetch(const Int4Gemv& w, int64_t ro
 // which at batch 1 (a few waves of short warps) is what bounds these kernels.
 template <int R, int CPG>
 struct Int4Stage {
-  static constexpr bool kScales = CPG >= 2;  // G = 32 would need 8 scales per word: load late
+  // Scales in registers cost 2-8 per word and stage, which pushes the MoE kernels past one wave
+  // of blocks (measured: 167 registers for gate/up); they are loaded late, from L1/L2, instead.
+  static constexpr bool kScales = false;
   uint32_t wd[R][4];
   float scale[R][4][kScales ? 8 / CPG : 1];
   int words;
@@ -314,8 +316,13 @@ struct GemvIo {
 
 // y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b) for m <= M activation rows. PDL: the weight rows are
 // prefetched before waiting on the kernel that produced x.
+// Launch bounds: at batch 1 a GEMV must fit one wave of blocks (every extra wave repeats the
+// whole latency chain), so batch-1 kernels are held to 6 blocks of 128 threads per SM (85
+// registers): q/k/v's 640 blocks and the 8-expert gate/up's 768 blocks fit one wave of 792.
+constexpr int kGemvThreads = 128, kGemvMinBlocks = 6;
+
 template <int M, int R, int CPG, bool kNorm>
-__global__ void gemv_int4_kernel(Int4Gemv w, const float* __restrict__ bias, const float* __restrict__ x,
+__global__ void __launch_bounds__(kGemvThreads, M == 1 ? kGemvMinBlocks : 1) gemv_int4_kernel(Int4Gemv w, const float* __restrict__ bias, const float* __restrict__ x,
                                  float* __restrict__ y, int m, int64_t n, int64_t k, GemvIo io) {
   const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
   if (row0 < n) int4_rows_prefetch<R>(w, row0, n, k);
@@ -348,7 +355,7 @@ __global__ void gemv_dense_kernel(const void* __restrict__ w, const float* __res
 // of gate and the same R rows of up. The expert comes from the previous kernel (the router), so
 // nothing can be prefetched before pdl_wait.
 template <int R, int CPG, bool kNorm>
-__global__ void moe_gate_up_int4_kernel(const Int4Gemv* __restrict__ gate, const Int4Gemv* __restrict__ up,
+__global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) moe_gate_up_int4_kernel(const Int4Gemv* __restrict__ gate, const Int4Gemv* __restrict__ up,
                                         const int32_t* __restrict__ ids, const float* __restrict__ x,
                                         float* __restrict__ act, int64_t top_k, int64_t inter, int64_t hidden,
                                         const float* __restrict__ norm, float eps) {
@@ -392,7 +399,7 @@ __global__ void moe_gate_up_int4_kernel(const Int4Gemv* __restrict__ gate, const
 constexpr int kMoeDownSlots = 8;
 
 template <int R, int CPG>
-__global__ void moe_down_int4_kernel(const Int4Gemv* __restrict__ down, const int32_t* __restrict__ ids,
+__global__ void __launch_bounds__(32 * kMoeDownSlots, 2) moe_down_int4_kernel(const Int4Gemv* __restrict__ down, const int32_t* __restrict__ ids,
                                      const float* __restrict__ weights, const float* __restrict__ act,
                                      float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden,
                                      bool accumulate) {

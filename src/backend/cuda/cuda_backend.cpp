@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/gemm.h"
 #include "backend/cuda/int4_layout.h"
 #include "backend/cuda/kernel_trace.h"
 #include "backend/cuda/launch.h"
@@ -285,6 +286,7 @@ class CudaBackend final : public Backend {
 
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
     OpProfiler::Scope scope(profiler_, w.format == WeightFormat::kInt4 ? "linear int4" : w.n > 100000 ? "lm_head" : "linear dense");
+    if (m > cuda::kGemvMaxM && gemm(w, x, m, out)) return;
     if (!gemv_layout(w)) {
       if (w.format == WeightFormat::kInt4)
         cuda::linear_int4(w.int4.codes, w.int4.scales, w.int4.zeros, w.bias, x, out, m, w.n, w.k,
@@ -369,6 +371,18 @@ class CudaBackend final : public Backend {
                                   positions, max_context, n_head, n_head_kv, head_dim, scale))
         cuda::attention_split(q, k_cache, v_cache, partial.data(), out, m, positions, max_context, n_head,
                               n_head_kv, head_dim, scale);
+    } else if (const int64_t chunk = std::min<int64_t>(256, cuda::kAttentionMaxPairs / n_head_kv);
+               chunk >= 1 && cuda::attention_decode(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr,
+                                                    0, n_head, n_head_kv, head_dim, scale)) {
+      // Prefill with the decode kernel, a chunk of query tokens per launch (bounds the split
+      // partials): every (token, kv head, split) is a block, so a long prompt fills the GPU. A
+      // tensor-core flash-attention kernel that shares K/V tiles across query tokens replaces it.
+      Buffer partial(*this, size_t(cuda::attention_split_floats(chunk, max_context, n_head, head_dim)) * 4);
+      for (int64_t t0 = 0; t0 < m; t0 += chunk)
+        cuda::attention_decode(q + t0 * n_head * head_dim, k_cache, v_cache, partial.data(),
+                               out + t0 * n_head * head_dim, attention_counters_.data<unsigned>(),
+                               std::min(chunk, m - t0), positions + t0, max_context, n_head, n_head_kv, head_dim,
+                               scale);
     } else {
       cuda::attention(q, k_cache, v_cache, out, m, positions, n_head, n_head_kv, head_dim, scale);
     }
@@ -401,6 +415,18 @@ class CudaBackend final : public Backend {
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
     linear(w.router, x, m, logits.data());
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
+    if (const ExpertTables* tables = expert_tables(w); tables && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+      // Prefill: the pairs are grouped by expert on the device and run as grouped tensor-core GEMMs;
+      // no host round trip, so it can be recorded too.
+      const int64_t inter = w.experts[0].gate.n;
+      Buffer scratch(*this, size_t(cuda::moe_prefill_scratch_bytes(m, K, E, inter, H)));
+      cuda::moe_prefill_int4(tables->gate.data<cuda::Int4Device>(), tables->up.data<cuda::Int4Device>(),
+                             tables->down.data<cuda::Int4Device>(), ids.data<int32_t>(), weights.data(), x, out, m,
+                             K, E, inter, H, scratch.data());
+      CUDA_CHECK_LAUNCH("moe_prefill_int4");
+      return;
+    }
+    // Experts that are not interleaved INT4 (BF16, row-major INT4): per expert, through the host.
     if (capturing_) {  // the grouped path reads the routing back to the host: not recordable
       capture_failed_ = true;
       return;
@@ -529,6 +555,22 @@ class CudaBackend final : public Backend {
                           tables->down.data<cuda::Int4Device>(), tables->group_shift, ids.data<int32_t>(),
                           weights.data(), x, norm, eps, act.data(), out, accumulate, m, K, inter, H);
     CUDA_CHECK_LAUNCH("moe_decode_int4");
+  }
+
+  // Prefill-shaped linears (m > kGemvMaxM) on the tensor cores: interleaved INT4 (f16 activations)
+  // and F16/BF16 (near-f32 split activations). False where the weight or x does not qualify.
+  bool gemm(const LinearWeight& w, const float* x, int64_t m, float* out) {
+    if (reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
+    if (w.format == WeightFormat::kInt4) {
+      if (w.int4.layout != Int4Layout::kWarpInterleaved) return false;
+      cuda::gemm_int4(int4_device(w), w.bias, x, out, m, w.n, w.k);
+    } else if (cuda::gemm_dense_supports(dense_type(w.format), w.k)) {
+      cuda::gemm_dense(dense_type(w.format), w.dense, w.bias, x, out, m, w.n, w.k);
+    } else {
+      return false;
+    }
+    CUDA_CHECK_LAUNCH("gemm");
+    return true;
   }
 
   static cuda::Int4Device int4_device(const LinearWeight& w) {

@@ -83,7 +83,7 @@ kernels::Int4Gemv to_kernel(const Int4Device& w) {
   return {w.codes, reinterpret_cast<const __half*>(w.scales), w.zeros, w.group_shift, w.n_groups};
 }
 
-constexpr int kGemvWarps = 4;
+constexpr int kGemvWarps = kernels::kGemvThreads / 32;
 
 // Rows per warp: more rows share the x registers, fewer rows keep more warps in flight; wide
 // matrices have warps to spare.
@@ -92,6 +92,8 @@ void gemv_dispatch(int64_t m, int64_t n, Launch&& launch) {
   auto grid = [&](int rows) { return blocks_for((n + rows - 1) / rows, kGemvWarps); };
   if (m == 1 && n >= 8192)
     launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{}, grid(4));
+  else if (m == 1 && n >= 4096)  // q/k/v (5120 rows): 640 blocks, one wave
+    launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, grid(2));
   else if (m == 1)
     launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, grid(1));
   else if (m == 2)
@@ -222,8 +224,11 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
       gate_up(std::true_type{});
     else
       gate_up(std::false_type{});
-    const dim3 grid2(unsigned((hidden + kRows - 1) / kRows), unsigned(m));
-    launch_pdl(kernels::moe_down_int4_kernel<kRows, CPG.value>, grid2, 32 * kernels::kMoeDownSlots, d, ids,
+    // Down: 8 output rows per block (256 blocks of 8 warps for hidden 2048: one wave at 2 blocks
+    // per SM).
+    constexpr int kDownRows = 8;
+    const dim3 grid2(unsigned((hidden + kDownRows - 1) / kDownRows), unsigned(m));
+    launch_pdl(kernels::moe_down_int4_kernel<kDownRows, CPG.value>, grid2, 32 * kernels::kMoeDownSlots, d, ids,
                weights, act, out, top_k, inter, hidden, accumulate);
   });
 }
@@ -265,6 +270,7 @@ bool attention_decode(const float* q, const float* k, const float* v, float* par
                       int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
   const int64_t group = n_head / n_head_kv;
   if ((head_dim != 64 && head_dim != 128) || group > 8 || m * n_head_kv > kAttentionMaxPairs) return false;
+  if (m == 0) return true;  // the shape check alone
   const int64_t n_splits = (max_context + kernels::kDecodeSplit - 1) / kernels::kDecodeSplit;
   const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
   auto go = [&](auto G, auto HD) {

@@ -1,0 +1,94 @@
+// Inline-PTX wrappers for the tensor-core GEMMs (gemm_int4.cuh, gemm_dense.cuh): warp-level
+// mma.sync m16n8k16 with f32 accumulators, ldmatrix, cp.async, the f16x2 arithmetic that
+// dequantises INT4 codes, and the epilogue's paired store. mma.sync, ldmatrix and cp.async exist on sm_80 and later (including
+// sm_90a and sm_120a), so one code path serves every architecture we build.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace nibble::kernels {
+
+// The block's dynamic shared memory (sized at launch).
+__device__ __forceinline__ uint8_t* dynamic_smem() {
+  extern __shared__ __align__(16) uint8_t smem[];
+  return smem;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// d += a · b for a 16x16 (row) by 16x8 (col) product; fragments as in gemm_layout.h.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, which lands in r[i].
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 4-byte asynchronous copy (cached in L1: the neighbouring words of the same 16-byte unit are
+// fetched by the next stages of the same block).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+// 16-byte asynchronous copy that writes zeros where `valid` is false (no global read then).
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// f16x2 with bits 0x6400 | q in each half: the value 1024 + q, for the nibbles at bits 0..3 and
+// 16..19 of x, with no conversion instruction (one lop3: (x & 0x000F000F) | 0x64006400).
+__device__ __forceinline__ uint32_t nibbles_to_f16x2_plus_1024(uint32_t x) {
+  uint32_t v;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(v) : "r"(x), "n"(0x000F000F), "n"(0x64006400));
+  return v;
+}
+// (a - b) · s per half. .rn on both keeps ptxas from contracting them into an fma, which would
+// round (1024 + q)·s instead of the exact small integer q - z.
+__device__ __forceinline__ uint32_t f16x2_sub_mul(uint32_t a, uint32_t b, uint32_t s) {
+  uint32_t d;
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(d) : "r"(s));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Stores y[col], y[col + 1] of one output row, the ones below n.
+__device__ __forceinline__ void store_pair(float* __restrict__ row, int64_t col, int64_t n, bool vec2, float v0,
+                                           float v1) {
+  if (vec2 && col + 1 < n) {
+    *reinterpret_cast<float2*>(row + col) = make_float2(v0, v1);
+  } else {
+    if (col < n) row[col] = v0;
+    if (col + 1 < n) row[col + 1] = v1;
+  }
+}
+
+}  // namespace nibble::kernels
