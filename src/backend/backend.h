@@ -95,6 +95,9 @@ class Backend {
   virtual void moe(const MoeWeights& w, const float* x, int64_t m, float* out) = 0;
   // y[i] += x[i]
   virtual void add(const float* x, int64_t count, float* y) = 0;
+  // out[r] = index of the largest of x[r, 0..n) (the lowest index on ties): greedy sampling on
+  // the device, so a decode step returns 4 bytes instead of a row of logits.
+  virtual void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
   // The residual add fused with the next norm: x[r] += delta[r], then out[r] = rms_norm(x[r]) * w.
   virtual void add_rms_norm(const float* delta, float* x, const WeightVector& w, int64_t rows,
                             int64_t dim, float eps, float* out) = 0;

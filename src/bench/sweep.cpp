@@ -40,8 +40,6 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
                                    *std::max_element(o.prompt_tokens.begin(), o.prompt_tokens.end()));
   std::vector<SweepResult> results;
   std::vector<float> logits;
-  SamplingParams greedy;
-  greedy.temperature = 0;
   for (int64_t depth : o.depths) {
     std::vector<std::vector<double>> pp_tok_s(o.prompt_tokens.size()), pp_ttft(o.prompt_tokens.size());
     std::vector<double> tg_tok_s;
@@ -60,8 +58,7 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
       for (size_t i = 0; i < o.prompt_tokens.size(); ++i) {
         const auto prompt = random_tokens(o.prompt_tokens[i]);
         const auto t0 = Clock::now();
-        model.forward(prompt, depth, kv, false, logits);
-        Sampler(greedy, {}).sample(logits);  // the first token is part of time-to-first-token
+        model.forward_greedy(prompt, depth, kv);  // the first token is part of time-to-first-token
         const double s = seconds_since(t0);
         if (keep) {
           pp_tok_s[i].push_back(double(prompt.size()) / s);
@@ -69,21 +66,16 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
         }
       }
       if (o.generate_tokens > 0) {
-        Sampler sampler(greedy, {});
+        // Greedy decoding sampled on the device, as `nibble run` does at temperature 0.
         int32_t next = token(rng);
         const auto t0 = Clock::now();
-        for (int64_t step = 0; step < o.generate_tokens; ++step) {
-          model.forward({&next, 1}, depth + step, kv, false, logits);
-          next = sampler.sample(logits);
-        }
+        for (int64_t step = 0; step < o.generate_tokens; ++step) next = model.forward_greedy({&next, 1}, depth + step, kv);
         if (keep) tg_tok_s.push_back(double(o.generate_tokens) / seconds_since(t0));
         // After the last repetition's timed steps, the same steps again under a device trace.
         if (rep == o.repetitions && o.profile_steps > 0) {
           if (model.backend().start_trace(&profile_error)) {
-            for (int64_t step = 0; step < o.profile_steps; ++step) {
-              model.forward({&next, 1}, depth + o.generate_tokens + step, kv, false, logits);
-              next = sampler.sample(logits);
-            }
+            for (int64_t step = 0; step < o.profile_steps; ++step)
+              next = model.forward_greedy({&next, 1}, depth + o.generate_tokens + step, kv);
             profile = profile_steps(model.backend().stop_trace(), o.profile_steps);
           }
         }

@@ -32,6 +32,34 @@ __global__ void embed_kernel(const void* __restrict__ table, const int32_t* __re
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[t * dim + i] = load_weight<T>(table, row * dim + i);
 }
 
+// Greedy sampling: block r finds the largest of x[r, 0..n), lowest index on ties (as
+// std::max_element). Each thread scans a stride, then warp and block reductions of (value, index).
+__global__ void argmax_kernel(const float* __restrict__ x, int64_t n, int32_t* __restrict__ out) {
+  pdl_enter();
+  __shared__ float s_val[32];
+  __shared__ int32_t s_idx[32];
+  const float* row = x + int64_t(blockIdx.x) * n;
+  float best = -INFINITY;
+  int32_t best_i = INT32_MAX;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = row[i];
+    if (v > best || (v == best && int32_t(i) < best_i)) best = v, best_i = int32_t(i);
+  }
+  auto merge = [&](float v, int32_t i) {
+    if (v > best || (v == best && i < best_i)) best = v, best_i = i;
+  };
+  for (int o = 16; o > 0; o >>= 1) merge(__shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, best_i, o));
+  if (threadIdx.x % 32 == 0) s_val[threadIdx.x / 32] = best, s_idx[threadIdx.x / 32] = best_i;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    best = threadIdx.x < blockDim.x / 32 ? s_val[threadIdx.x] : -INFINITY;
+    best_i = threadIdx.x < blockDim.x / 32 ? s_idx[threadIdx.x] : INT32_MAX;
+    for (int o = 16; o > 0; o >>= 1) merge(__shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, best_i, o));
+    // All -inf (or NaN) rows: index 0, as std::max_element returns the first element.
+    if (threadIdx.x == 0) out[blockIdx.x] = best_i == INT32_MAX ? 0 : best_i;
+  }
+}
+
 // kind: 0 = f32, 1 = bf16, 2 = u8 integers lo..hi, 3 = f16; values as the CPU backend's fill_random.
 __global__ void fill_random_kernel(void* __restrict__ dst, int kind, int64_t count, float lo, float hi,
                                    uint64_t seed) {

@@ -8,6 +8,17 @@ namespace nibble {
 
 void Model::forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
                     std::vector<float>& logits) {
+  run(tokens, pos0, kv, all_logits, &logits, nullptr);
+}
+
+int32_t Model::forward_greedy(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv) {
+  int32_t id = -1;
+  run(tokens, pos0, kv, false, nullptr, &id);
+  return id;
+}
+
+void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
+                std::vector<float>* logits, int32_t* greedy_id) {
   const int64_t T = int64_t(tokens.size()), vocab = config_.vocab_size;
   NIBBLE_CHECK(T > 0, "forward: no tokens");
   NIBBLE_CHECK(pos0 >= 0 && pos0 + T <= kv.max_tokens(), "sequence of {} tokens does not fit the "
@@ -17,7 +28,7 @@ void Model::forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, 
   std::vector<int32_t> positions(static_cast<size_t>(T));
   for (int64_t t = 0; t < T; ++t) positions[size_t(t)] = int32_t(pos0 + t);
   const int64_t rows = all_logits ? T : 1;
-  logits.resize(size_t(rows * vocab));
+  if (logits) logits->resize(size_t(rows * vocab));
 
   if (T > 1 || !use_graphs_ || tracer_ || !backend_.supports_graphs()) {
     Buffer ids(backend_, size_t(T) * 4), pos(backend_, size_t(T) * 4);
@@ -25,7 +36,13 @@ void Model::forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, 
     backend_.copy_to_backend(ids.data(), tokens.data(), size_t(T) * 4);
     backend_.copy_to_backend(pos.data(), positions.data(), size_t(T) * 4);
     compute({ids.data<int32_t>(), pos.data<int32_t>(), T, pos0 + T, all_logits, out.data()}, kv);
-    backend_.copy_to_host(logits.data(), out.data(), logits.size() * 4);
+    if (greedy_id) {
+      Buffer id(backend_, 4);
+      backend_.argmax(out.data(), 1, vocab, id.data<int32_t>());
+      backend_.copy_to_host(greedy_id, id.data(), 4);
+    } else {
+      backend_.copy_to_host(logits->data(), out.data(), logits->size() * 4);
+    }
     return;
   }
   // Decode: the inputs go to fixed buffers, and the step runs as the graph recorded for this
@@ -34,13 +51,19 @@ void Model::forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, 
     decode_ids_ = Buffer(backend_, 4);
     decode_positions_ = Buffer(backend_, 4);
     decode_logits_ = Buffer(backend_, size_t(vocab) * 4);
+    decode_token_ = Buffer(backend_, 4);
   }
   backend_.copy_to_backend(decode_ids_.data(), tokens.data(), 4);
   backend_.copy_to_backend(decode_positions_.data(), positions.data(), 4);
   const int64_t bucket = std::min<int64_t>(kv.max_tokens(), std::max<int64_t>(256, std::bit_ceil(uint64_t(pos0 + 1))));
   const Step step{decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>(), 1, bucket, false,
                   decode_logits_.data()};
-  const uint64_t key = (id_ << 48) ^ (kv.id() << 24) ^ uint64_t(bucket);
+  // Greedy steps record the argmax too: their own graph.
+  const uint64_t key = (id_ << 48) ^ (kv.id() << 24) ^ uint64_t(bucket) ^ (greedy_id ? uint64_t(1) << 47 : 0);
+  auto step_ops = [&] {
+    compute(step, kv);
+    if (greedy_id) backend_.argmax(decode_logits_.data(), 1, vocab, decode_token_.data<int32_t>());
+  };
   if (!backend_.replay(key)) {
     // A first recording can fail for a passing reason (a table built on first use); a key that
     // failed twice runs uncaptured from then on.
@@ -48,17 +71,20 @@ void Model::forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, 
     bool recorded = false;
     if (!give_up) {
       backend_.begin_capture(key);
-      compute(step, kv);
+      step_ops();
       recorded = backend_.end_capture(key);
     }
     if (recorded) {
       backend_.replay(key);
     } else {
       if (!give_up) capture_failures_.push_back(key);
-      compute(step, kv);
+      step_ops();
     }
   }
-  backend_.copy_to_host(logits.data(), decode_logits_.data(), size_t(vocab) * 4);
+  if (greedy_id)
+    backend_.copy_to_host(greedy_id, decode_token_.data(), 4);
+  else
+    backend_.copy_to_host(logits->data(), decode_logits_.data(), size_t(vocab) * 4);
 }
 
 }  // namespace nibble

@@ -42,6 +42,9 @@ class Model {
   // graph once per (cache, context bucket) and replayed, unless graphs are off.
   void forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
                std::vector<float>& logits);
+  // The same step, sampled greedily on the device (argmax of the last token's logits, lowest id
+  // on ties): only the token id comes back to the host.
+  int32_t forward_greedy(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv);
   void set_use_graphs(bool on) { use_graphs_ = on; }
   virtual KvCache make_kv_cache(int64_t max_tokens) const = 0;
   // Bytes one decoded token reads: every weight it uses (the top-k experts of each MoE layer, one
@@ -73,9 +76,11 @@ class Model {
   Tracer tracer_;
 
  private:
+  void run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits, std::vector<float>* logits,
+           int32_t* greedy_id);
   uint64_t id_;  // unique for the process's life: part of the graph keys
   bool use_graphs_ = true;
-  Buffer decode_ids_, decode_positions_, decode_logits_;  // fixed addresses for recorded steps
+  Buffer decode_ids_, decode_positions_, decode_logits_, decode_token_;  // fixed addresses for recorded steps
   std::vector<uint64_t> capture_failures_;  // keys whose recording failed (tried at most twice)
 };
 

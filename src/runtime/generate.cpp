@@ -44,18 +44,32 @@ GenerateResult generate(Model& model, const Tokenizer& tokenizer, const Generate
   result.finish_reason = "length";
   std::string pending;  // decoded text not yet passed to on_token
 
+  // Plain greedy decoding (no penalties, no logprobs) samples on the device: each step returns
+  // the token id, not a row of logits.
+  const SamplingParams& sp = req.sampling;
+  const bool device_greedy = sp.temperature == 0.f && sp.repetition_penalty == 1.f && sp.presence_penalty == 0.f &&
+                             sp.frequency_penalty == 0.f && req.top_logprobs < 0;
   std::vector<float> logits;
+  int32_t greedy_id = -1;
   auto t0 = Clock::now();
-  if (budget > 0) model.forward(req.prompt, 0, kv, false, logits);
+  if (budget > 0) {
+    if (device_greedy)
+      greedy_id = model.forward_greedy(req.prompt, 0, kv);
+    else
+      model.forward(req.prompt, 0, kv, false, logits);
+  }
   result.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   auto t1 = Clock::now();
   for (int64_t step = 0; step < budget; ++step) {
     if (step > 0) {
       const int32_t last = result.ids.back();
-      model.forward({&last, 1}, n_prompt + step - 1, kv, false, logits);
+      if (device_greedy)
+        greedy_id = model.forward_greedy({&last, 1}, n_prompt + step - 1, kv);
+      else
+        model.forward({&last, 1}, n_prompt + step - 1, kv, false, logits);
     }
     GeneratedToken tok;
-    tok.id = sampler.sample(logits);
+    tok.id = device_greedy ? greedy_id : sampler.sample(logits);
     if (req.top_logprobs >= 0) {
       tok.logprob = Sampler::logprob_of(logits, tok.id);
       tok.top = Sampler::top_logprobs(logits, req.top_logprobs);

@@ -513,6 +513,12 @@ class CudaBackend final : public Backend {
     return true;
   }
 
+  void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
+    OpProfiler::Scope scope(profiler_, "argmax");
+    cuda::argmax(x, rows, n, out);
+    CUDA_CHECK_LAUNCH("argmax");
+  }
+
   void add(const float* x, int64_t count, float* y) override {
     OpProfiler::Scope scope(profiler_, "add");
     cuda::add(x, count, y);

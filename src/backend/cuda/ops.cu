@@ -336,6 +336,10 @@ void silu_mul(const float* gate, const float* up, int64_t count, float* out) {
   kernels::silu_mul_kernel<<<blocks_for(count, 256), 256>>>(gate, up, count, out);
 }
 
+void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) {
+  launch_pdl(kernels::argmax_kernel, unsigned(rows), 1024, x, n, out);
+}
+
 void add(const float* x, int64_t count, float* y) {
   kernels::add_kernel<<<blocks_for(count, 256), 256>>>(x, count, y);
 }
