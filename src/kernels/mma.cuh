@@ -44,6 +44,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+// The same with .trans: thread l receives elements (2(l % 4) + e, l / 4) of matrix i, i.e. a
+// row-major [k][n] tile in shared memory (V in flash attention) as the mma's B fragment.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 // 4-byte asynchronous copy (cached in L1: the neighbouring words of the same 16-byte unit are
 // fetched by the next stages of the same block).
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {

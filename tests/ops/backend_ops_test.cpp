@@ -280,8 +280,13 @@ TEST_F(OpsTest, Attention) {
       float* out = poisoned_gpu(int64_t(want.size()));
       gpu_->attention(on_gpu(q), on_gpu(k), on_gpu(v), m, on_gpu(positions), max_context, s.n_head, s.n_head_kv,
                       s.head_dim, scale, out);
+      // m > 8 with head_dim 64/128 and a GQA group <= 8 (m = 33 and 300 of 32/4x128 and 8/8x64) is
+      // the tensor-core flash-attention prefill: f16 operands, 2e-3 (derived in
+      // tests/ops/flash_attention_test.cpp).
+      const bool flash = m > 8 && (s.head_dim == 64 || s.head_dim == 128) && s.n_head / s.n_head_kv <= 8;
       expect_close(to_host(out, int64_t(want.size())), want,
-                   fmt::format("attention {}/{}x{} m={} pos0={}", s.n_head, s.n_head_kv, s.head_dim, m, pos0));
+                   fmt::format("attention {}/{}x{} m={} pos0={}", s.n_head, s.n_head_kv, s.head_dim, m, pos0),
+                   flash ? 2e-3 : kTolerance);
     }
   }
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/flash_attention.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/int4_layout.h"
 #include "backend/cuda/kernel_trace.h"
@@ -371,12 +372,15 @@ class CudaBackend final : public Backend {
                                   positions, max_context, n_head, n_head_kv, head_dim, scale))
         cuda::attention_split(q, k_cache, v_cache, partial.data(), out, m, positions, max_context, n_head,
                               n_head_kv, head_dim, scale);
+    } else if (cuda::flash_attention(q, k_cache, v_cache, out, m, positions, n_head, n_head_kv, head_dim, scale)) {
+      // Prefill on the tensor cores (head_dim 64/128, GQA group <= 8, 16-byte-aligned pointers):
+      // each staged K/V tile serves a block's 128 (token, q head) rows. f16 operands, f32 sums.
     } else if (const int64_t chunk = std::min<int64_t>(256, cuda::kAttentionMaxPairs / n_head_kv);
                chunk >= 1 && cuda::attention_decode(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr,
                                                     0, n_head, n_head_kv, head_dim, scale)) {
       // Prefill with the decode kernel, a chunk of query tokens per launch (bounds the split
-      // partials): every (token, kv head, split) is a block, so a long prompt fills the GPU. A
-      // tensor-core flash-attention kernel that shares K/V tiles across query tokens replaces it.
+      // partials): every (token, kv head, split) is a block, so a long prompt fills the GPU. The
+      // fallback for shapes the flash-attention kernel does not take.
       Buffer partial(*this, size_t(cuda::attention_split_floats(chunk, max_context, n_head, head_dim)) * 4);
       for (int64_t t0 = 0; t0 < m; t0 += chunk)
         cuda::attention_decode(q + t0 * n_head * head_dim, k_cache, v_cache, partial.data(),

@@ -1,0 +1,129 @@
+// The CUDA flash-attention prefill (kernels/flash_attention.cuh: m > 8 query tokens, head_dim 64 or
+// 128, GQA group <= 8) against the CPU reference, through Backend::attention: random q/k/v, outputs
+// poisoned with NaN (an element the kernel forgets fails), causal positions pos0 + t, a max_context
+// above the real context, K/V caches of exactly pos0 + m rows (a read past the context would show
+// up as a fault or NaN under compute-sanitizer). Without a GPU the tests report as skipped.
+//
+// Tolerance: the kernel rounds q, k, p (the softmax numerators) and v to f16, unit roundoff
+// u = 2^-11 = 4.9e-4, and sums in f32. A score s = scale·q·k then errs by at most
+// 2u·scale·Σ|q_i k_i|; the rounding errors have independent signs, so for these inputs (uniform in
+// [-1, 1]: scale·sqrt(Σ(q_i k_i)²) ≈ 1/3) about 2u/3 ≈ 3e-4 per score, with a few-sigma tail to
+// ~1e-3 over millions of scores. exp turns that into the same relative error of p; rounding p and v
+// adds u each. The output is a convex combination of v rows, so its error relative to max|out| is
+// bounded by about δs + 2u ≈ 1.3e-3 in the worst element; 2e-3 leaves margin while a wrong mask,
+// row or scale gives errors of order 1. (A CPU emulation of the kernel measured ≤ 4e-4.)
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "backend/backend.h"
+#include "core/status.h"
+
+#include <fmt/format.h>
+
+namespace nibble {
+namespace {
+
+constexpr double kFlashTolerance = 2e-3;
+
+class FlashAttentionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    try {
+      gpu_ = make_backend("cuda");
+    } catch (const Error& e) {
+      GTEST_SKIP() << "no CUDA backend here: " << e.what();
+    }
+    cpu_ = make_cpu_backend();
+  }
+  void TearDown() override {
+    if (gpu_) {
+      EXPECT_GT(cases_, 0) << "no case was compared";
+    }
+  }
+
+  std::vector<float> random(int64_t n, float scale = 1.f) {
+    std::uniform_real_distribution<float> d(-scale, scale);
+    std::vector<float> v(static_cast<size_t>(n));
+    for (auto& x : v) x = d(rng_);
+    return v;
+  }
+  template <typename T>
+  T* on_gpu(const std::vector<T>& host) {
+    buffers_.emplace_back(*gpu_, host.size() * sizeof(T));
+    gpu_->copy_to_backend(buffers_.back().data(), host.data(), host.size() * sizeof(T));
+    return buffers_.back().template data<T>();
+  }
+  float* poisoned_gpu(int64_t n) {
+    return on_gpu(std::vector<float>(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN()));
+  }
+  std::vector<float> to_host(const float* dev, int64_t n) {
+    std::vector<float> out(static_cast<size_t>(n));
+    gpu_->copy_to_host(out.data(), dev, out.size() * sizeof(float));
+    return out;
+  }
+  void expect_close(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    double diff = 0, ref = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << what << ": element " << i << " is " << got[i];
+      diff = std::max(diff, double(std::fabs(got[i] - want[i])));
+      ref = std::max(ref, double(std::fabs(want[i])));
+    }
+    EXPECT_LE(diff / ref, kFlashTolerance) << what;
+    ++cases_;
+  }
+
+  struct Shape {
+    int64_t n_head, n_head_kv, head_dim;
+  };
+  // positions: pos0 + t, or (shuffled) the same set in random order (the kernel must not rely on
+  // ascending positions for correctness).
+  void check(Shape s, int64_t m, int64_t pos0, bool shuffled = false) {
+    const int64_t ctx = pos0 + m, row = s.n_head_kv * s.head_dim;
+    auto q = random(m * s.n_head * s.head_dim), k = random(ctx * row), v = random(ctx * row);
+    const float scale = 1.f / std::sqrt(float(s.head_dim));
+    std::vector<int32_t> positions(static_cast<size_t>(m));
+    for (int64_t t = 0; t < m; ++t) positions[size_t(t)] = int32_t(pos0 + t);
+    if (shuffled) std::shuffle(positions.begin(), positions.end(), rng_);
+    const int64_t max_context = ctx + 300;
+    std::vector<float> want(size_t(m * s.n_head * s.head_dim));
+    cpu_->attention(q.data(), k.data(), v.data(), m, positions.data(), max_context, s.n_head, s.n_head_kv,
+                    s.head_dim, scale, want.data());
+    float* out = poisoned_gpu(int64_t(want.size()));
+    gpu_->attention(on_gpu(q), on_gpu(k), on_gpu(v), m, on_gpu(positions), max_context, s.n_head, s.n_head_kv,
+                    s.head_dim, scale, out);
+    expect_close(to_host(out, int64_t(want.size())), want,
+                 fmt::format("flash attention {}/{}x{} m={} pos0={}{}", s.n_head, s.n_head_kv, s.head_dim, m,
+                             pos0, shuffled ? " shuffled" : ""));
+    buffers_.clear();
+  }
+
+  int cases_ = 0;
+  std::mt19937 rng_{4321};
+  std::unique_ptr<Backend> gpu_, cpu_;
+  std::vector<Buffer> buffers_;
+};
+
+// Qwen3-30B-A3B (32 q / 4 kv heads x 128: group 8, 16 tokens per block), no GQA at head_dim 64
+// (group 1, 128 tokens per block) and group 8 with 2 kv heads. m = 9: one partial block; 300 and
+// 2048: many blocks, contexts that are not multiples of the 32-position K/V tile with pos0 = 70.
+TEST_F(FlashAttentionTest, MatchesCpu) {
+  for (Shape s : {Shape{32, 4, 128}, Shape{8, 8, 64}, Shape{16, 2, 128}})
+    for (int64_t m : {9, 64, 300, 2048})
+      for (int64_t pos0 : {0, 70, 1000}) check(s, m, pos0);
+}
+
+// Positions in random order: each block's causal limit is the max over its rows, every row masks
+// on its own position.
+TEST_F(FlashAttentionTest, UnorderedPositions) {
+  check(Shape{32, 4, 128}, 300, 70, true);
+  check(Shape{8, 8, 64}, 64, 0, true);
+  check(Shape{16, 4, 128}, 40, 1000, true);  // group 4: 32 tokens per block
+}
+
+}  // namespace
+}  // namespace nibble
