@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "bench/sweep.h"
+#include "core/version.h"
 #include "cli/commands.h"
 #include "core/status.h"
 
@@ -92,7 +93,7 @@ void bench(const BenchOptions& o) {
     char date[32];
     std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
     nlohmann::json j;
-    j["meta"] = {{"nibble", NIBBLE_VERSION}, {"commit", NIBBLE_GIT_COMMIT}, {"date", date}, {"device", device},
+    j["meta"] = {{"nibble", NIBBLE_VERSION}, {"commit", git_commit()}, {"date", date}, {"device", device},
                  {"model", o.model_dir}, {"model_type", c.model_type}, {"load_format", o.load_format},
                  {"quantization", o.quantization}, {"enforce_eager", o.enforce_eager}, {"load_seconds", load_s},
                  {"copy_bandwidth_bytes_per_s", bandwidth}, {"weight_bytes_per_token", weight_bytes},

@@ -3,10 +3,11 @@
 
 #include "cli/commands.h"
 #include "core/status.h"
+#include "core/version.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"nibble: a native inference engine for 4-bit Mixture-of-Experts language models"};
-  app.set_version_flag("--version", std::string(NIBBLE_VERSION) + " (" NIBBLE_GIT_COMMIT ")");
+  app.set_version_flag("--version", fmt::format("{} ({})", NIBBLE_VERSION, nibble::git_commit()));
   app.require_subcommand(1);
   nibble::cli::add_run_command(app);
   nibble::cli::add_info_command(app);
