@@ -1,10 +1,11 @@
 // The CUDA backend: device memory, weight upload and the dispatch of each op to its launcher
 // (backend/cuda/*.cu, kernels in kernels/). Host code only: it is compiled by the C++ compiler,
 // which keeps fmt and the rest of the engine out of nvcc.
-// Everything runs on one stream; copies to the host synchronise it. This first version is exact
-// rather than fast: f32 activations, one warp per output row in linear, per-expert launches in
-// MoE with the routing read back to the host. It is the correctness baseline that the tuned
-// kernels (W4A16 tensor-core GEMM, fused MoE, flash-decoding) are tested against next to the CPU.
+// Everything runs on one stream; copies to the host synchronise it. Activations are f32 between
+// ops. Which kernels run: decode shapes (m <= 8 rows) take the GEMV kernels (norm and residual
+// add fused, MoE in three launches, one-launch split attention, PDL); prefill shapes take the
+// tensor-core GEMMs, the grouped MoE and flash attention; shapes neither supports fall back to
+// the exact one-warp-per-row kernels, which are also the baseline the others were measured from.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -220,9 +221,6 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH("fill_random");
   }
 
-  // Decode-shaped layouts go to the GEMV kernels, 8 activation rows per launch (a prefill reads
-  // the weight once per 8 rows until the tensor-core GEMM lands); other shapes to the exact
-  // one-warp-per-row kernels.
   // q, k and v in one GEMV launch: more rows in flight for the small k/v projections, two launches
   // fewer per layer. Decode-layout weights only (what the fusion is for).
   std::optional<LinearWeight> concat_rows(const std::vector<const LinearWeight*>& parts) override {
@@ -285,6 +283,8 @@ class CudaBackend final : public Backend {
     return out;
   }
 
+  // Prefill shapes (m > 8) on the tensor-core GEMMs where the weight qualifies; decode layouts on
+  // the GEMV kernels, 8 activation rows per launch; anything else on the exact kernels.
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
     OpProfiler::Scope scope(profiler_, w.format == WeightFormat::kInt4 ? "linear int4" : w.n > 100000 ? "lm_head" : "linear dense");
     if (m > cuda::kGemvMaxM && gemm(w, x, m, out)) return;
