@@ -38,6 +38,7 @@
 #include <cstdint>
 
 #include "kernels/gemm_layout.h"
+#include "kernels/int4_weight.cuh"
 #include "kernels/mma.cuh"
 
 namespace nibble::kernels {
@@ -48,15 +49,6 @@ enum class GemmInt4Mode {
   kMoeDown,    // y[p, n] = x[p] · downᵀ
 };
 
-// One INT4 matrix in the interleaved layout (the fields of the decode kernels' Int4Gemv; this
-// header does not include gemv.cuh, whose kernels belong to ops.cu).
-struct Int4Weight {
-  const uint8_t* codes;
-  const __half* scales;
-  const uint8_t* zeros;  // null: symmetric, zero point 8
-  int64_t group_shift;   // log2(G); 30 when one group spans K
-  int64_t n_groups;
-};
 
 struct GemmInt4Params {
   const float* x;

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "kernels/int4_weight.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/pdl.cuh"
 
@@ -27,14 +28,6 @@ namespace nibble::kernels {
 
 constexpr int kGemvMaxM = 8;
 
-// The interleaved INT4 matrix of one Linear (or one expert's).
-struct Int4Gemv {
-  const uint8_t* codes;
-  const __half* scales;
-  const uint8_t* zeros;  // null: symmetric, zero point 8
-  int64_t group_shift;   // log2(G); 30 when one group spans K
-  int64_t n_groups;
-};
 
 // The activation rows a GEMV reads, x[mi · stride + i] for mi < m, optionally RMS-normalised on
 // the fly (x · inv_rms(row) · norm[i]): the norm fused into the projection that consumes it.
@@ -88,7 +81,7 @@ __device__ __forceinline__ void block_inv_rms(XRows<M, kNorm>& xr, int64_t k, fl
 // L2 prefetch of everything rows [row0, row0 + R) of an INT4 matrix will read: issued before
 // pdl_wait, since weights never depend on an earlier kernel.
 template <int R>
-__device__ __forceinline__ void int4_rows_prefetch(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k) {
+__device__ __forceinline__ void int4_rows_prefetch(const Int4Weight& w, int64_t row0, int64_t n, int64_t k) {
   const int lane = threadIdx.x % 32;
   const int64_t row_bytes = k / 2;
 #pragma unroll
@@ -118,7 +111,7 @@ struct Int4Stage {
 };
 
 template <int R, int CPG>
-__device__ __forceinline__ void int4_stage_load(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k, int64_t c0,
+__device__ __forceinline__ void int4_stage_load(const Int4Weight& w, int64_t row0, int64_t n, int64_t k, int64_t c0,
                                                 Int4Stage<R, CPG>& st) {
   const int lane = threadIdx.x % 32;
   const int64_t row_bytes = k / 2, chunks = k / 256;
@@ -152,7 +145,7 @@ __device__ __forceinline__ void int4_stage_load(const Int4Gemv& w, int64_t row0,
 // their zero point only (two integer ops, one add, one fma per code) and the group's partial sum is
 // scaled once. The nibble becomes a float without a conversion: 0x4B000000 | q is 2^23 + q.
 template <int M, int R, int CPG>
-__device__ __forceinline__ void int4_word_dot(const Int4Gemv& w, int64_t row, const Int4Stage<R, CPG>& st, int r,
+__device__ __forceinline__ void int4_word_dot(const Int4Weight& w, int64_t row, const Int4Stage<R, CPG>& st, int r,
                                               int wi, int kc, const float (&xv)[M][8], float (&acc)[M]) {
   const uint32_t word = st.wd[r][wi];
   const int g0 = kc >> int(w.group_shift);
@@ -180,7 +173,7 @@ __device__ __forceinline__ void int4_word_dot(const Int4Gemv& w, int64_t row, co
 }
 
 template <int M, int R, int CPG, bool kNorm>
-__device__ __forceinline__ void int4_stage_dot(const Int4Gemv& w, int64_t row0, int64_t n, int64_t c0,
+__device__ __forceinline__ void int4_stage_dot(const Int4Weight& w, int64_t row0, int64_t n, int64_t c0,
                                                const Int4Stage<R, CPG>& st, const XRows<M, kNorm>& xr,
                                                float (&acc)[R][M]) {
   const int lane = threadIdx.x % 32;
@@ -201,7 +194,7 @@ __device__ __forceinline__ void int4_stage_dot(const Int4Gemv& w, int64_t row0, 
 // The same for two matrices of one shape read against the same x (gate and up): each x value
 // is loaded (and normalised) once for both, which at batch 1 is a third of the instructions.
 template <int R, int CPG, bool kNorm>
-__device__ __forceinline__ void int4_stage_dot2(const Int4Gemv& w1, const Int4Gemv& w2, int64_t row0, int64_t n,
+__device__ __forceinline__ void int4_stage_dot2(const Int4Weight& w1, const Int4Weight& w2, int64_t row0, int64_t n,
                                                 int64_t c0, const Int4Stage<R, CPG>& st1,
                                                 const Int4Stage<R, CPG>& st2, const XRows<1, kNorm>& xr,
                                                 float (&acc1)[R][1], float (&acc2)[R][1]) {
@@ -229,14 +222,14 @@ template <int R, int CPG>
 struct Int4Pipe {
   Int4Stage<R, CPG> cur, next;
 
-  __device__ __forceinline__ void start(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k) {
+  __device__ __forceinline__ void start(const Int4Weight& w, int64_t row0, int64_t n, int64_t k) {
     int4_stage_load(w, row0, n, k, 0, cur);
     if (k / 256 > 4) int4_stage_load(w, row0, n, k, 4, next);
   }
 
   // acc[r][mi] += W[row0 + r] · x[mi] over all of K.
   template <int M, bool kNorm>
-  __device__ __forceinline__ void run(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k,
+  __device__ __forceinline__ void run(const Int4Weight& w, int64_t row0, int64_t n, int64_t k,
                                       const XRows<M, kNorm>& xr, float (&acc)[R][M]) {
     const int64_t chunks = k / 256;
     for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
@@ -250,7 +243,7 @@ struct Int4Pipe {
 };
 
 template <int M, int R, int CPG, bool kNorm>
-__device__ __forceinline__ void int4_rows_dot(const Int4Gemv& w, int64_t row0, int64_t n, int64_t k,
+__device__ __forceinline__ void int4_rows_dot(const Int4Weight& w, int64_t row0, int64_t n, int64_t k,
                                               const XRows<M, kNorm>& xr, float (&acc)[R][M]) {
   Int4Pipe<R, CPG> pipe;
   pipe.start(w, row0, n, k);
@@ -366,7 +359,7 @@ struct GemvIo {
 constexpr int kGemvThreads = 128, kGemvMinBlocks = 6;
 
 template <int M, int R, int CPG, bool kNorm>
-__global__ void __launch_bounds__(kGemvThreads, M == 1 ? kGemvMinBlocks : 1) gemv_int4_kernel(Int4Gemv w, const float* __restrict__ bias, const float* __restrict__ x,
+__global__ void __launch_bounds__(kGemvThreads, M == 1 ? kGemvMinBlocks : 1) gemv_int4_kernel(Int4Weight w, const float* __restrict__ bias, const float* __restrict__ x,
                                  float* __restrict__ y, int m, int64_t n, int64_t k, GemvIo io) {
   const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
   // The first two stages of weights are loaded before waiting on the kernel that produced x.
@@ -404,7 +397,7 @@ __global__ void gemv_dense_kernel(const void* __restrict__ w, const float* __res
 // of gate and the same R rows of up. The expert comes from the previous kernel (the router), so
 // nothing can be prefetched before pdl_wait.
 template <int R, int CPG, bool kNorm>
-__global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) moe_gate_up_int4_kernel(const Int4Gemv* __restrict__ gate, const Int4Gemv* __restrict__ up,
+__global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) moe_gate_up_int4_kernel(const Int4Weight* __restrict__ gate, const Int4Weight* __restrict__ up,
                                         const int32_t* __restrict__ ids, const float* __restrict__ x,
                                         float* __restrict__ act, int64_t top_k, int64_t inter, int64_t hidden,
                                         const float* __restrict__ norm, float eps) {
@@ -417,8 +410,8 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) moe_gate_up_int4
   const int32_t e = ids[slot];
   float g[R][1] = {}, u[R][1] = {};
   // gate and up stream together: four loads in flight per warp.
-  const Int4Gemv& wg = gate[e];
-  const Int4Gemv& wu = up[e];
+  const Int4Weight& wg = gate[e];
+  const Int4Weight& wu = up[e];
   const int64_t chunks = hidden / 256;
   Int4Stage<R, CPG> g_cur, g_next, u_cur, u_next;
   int4_stage_load(wg, row0, inter, hidden, 0, g_cur);
@@ -447,7 +440,7 @@ __global__ void __launch_bounds__(kGemvThreads, kGemvMinBlocks) moe_gate_up_int4
 constexpr int kMoeDownSlots = 8;
 
 template <int R, int CPG>
-__global__ void __launch_bounds__(32 * kMoeDownSlots, 2) moe_down_int4_kernel(const Int4Gemv* __restrict__ down, const int32_t* __restrict__ ids,
+__global__ void __launch_bounds__(32 * kMoeDownSlots, 2) moe_down_int4_kernel(const Int4Weight* __restrict__ down, const int32_t* __restrict__ ids,
                                      const float* __restrict__ weights, const float* __restrict__ act,
                                      float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden,
                                      bool accumulate) {
@@ -456,7 +449,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots, 2) moe_down_int4_kernel(co
   const int s = threadIdx.x / 32, lane = threadIdx.x % 32;
   // The routing is two launches old (see pdl.cuh): the experts' rows load before the wait.
   Int4Pipe<R, CPG> pipe;
-  Int4Gemv wd{};
+  Int4Weight wd{};
   if (s < top_k) {
     wd = down[ids[t * top_k + s]];
     int4_rows_prefetch<R>(wd, row0, hidden, inter);

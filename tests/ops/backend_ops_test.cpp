@@ -18,6 +18,7 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "model/model.h"
+#include "gpu_compare.h"
 
 namespace nibble {
 namespace {
@@ -32,57 +33,12 @@ bool f16_gemm_path(WeightFormat format, int64_t k, int64_t group, int64_t m) {
   return format == WeightFormat::kInt4 && interleaved && m > 8;
 }
 
-class OpsTest : public ::testing::Test {
+class OpsTest : public GpuCompareTest {
  protected:
-  void SetUp() override {
-    try {
-      gpu_ = make_backend("cuda");
-    } catch (const Error& e) {
-      GTEST_SKIP() << "no CUDA backend here: " << e.what();
-    }
-    cpu_ = make_cpu_backend();
-  }
-  // A test that ran on a GPU must have compared something.
-  void TearDown() override {
-    if (gpu_) {
-      EXPECT_GT(cases_, 0) << "no case was compared";
-    }
-  }
-
-  std::vector<float> random(int64_t n, float scale = 1.f) {
-    std::uniform_real_distribution<float> d(-scale, scale);
-    std::vector<float> v(static_cast<size_t>(n));
-    for (auto& x : v) x = d(rng_);
-    return v;
-  }
-
-  // Device copy of host data, kept alive for the test.
-  template <typename T>
-  T* on_gpu(const std::vector<T>& host) {
-    buffers_.emplace_back(*gpu_, host.size() * sizeof(T));
-    gpu_->copy_to_backend(buffers_.back().data(), host.data(), host.size() * sizeof(T));
-    return buffers_.back().template data<T>();
-  }
-  float* poisoned_gpu(int64_t n) {
-    return on_gpu(std::vector<float>(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN()));
-  }
-  std::vector<float> to_host(const float* dev, int64_t n) {
-    std::vector<float> out(static_cast<size_t>(n));
-    gpu_->copy_to_host(out.data(), dev, out.size() * sizeof(float));
-    return out;
-  }
-
+  OpsTest() : GpuCompareTest(1234) {}
   void expect_close(const std::vector<float>& got, const std::vector<float>& want, const std::string& what,
                     double tolerance = kTolerance) {
-    ASSERT_EQ(got.size(), want.size()) << what;
-    double diff = 0, ref = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(got[i])) << what << ": element " << i << " is " << got[i];
-      diff = std::max(diff, double(std::fabs(got[i] - want[i])));
-      ref = std::max(ref, double(std::fabs(want[i])));
-    }
-    EXPECT_LE(diff / ref, tolerance) << what;
-    ++cases_;
+    GpuCompareTest::expect_close(got, want, what, tolerance);
   }
 
   // A random weight of shape [n, k] in `format` (INT4: random codes, zeros and positive scales).
@@ -131,11 +87,6 @@ class OpsTest : public ::testing::Test {
     }
     return w;
   }
-
-  int cases_ = 0;
-  std::mt19937 rng_{1234};
-  std::unique_ptr<Backend> gpu_, cpu_;
-  std::vector<Buffer> buffers_;
 };
 
 TEST_F(OpsTest, Linear) {

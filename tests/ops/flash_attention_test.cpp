@@ -21,6 +21,7 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
+#include "gpu_compare.h"
 
 #include <fmt/format.h>
 
@@ -29,53 +30,9 @@ namespace {
 
 constexpr double kFlashTolerance = 2e-3;
 
-class FlashAttentionTest : public ::testing::Test {
+class FlashAttentionTest : public GpuCompareTest {
  protected:
-  void SetUp() override {
-    try {
-      gpu_ = make_backend("cuda");
-    } catch (const Error& e) {
-      GTEST_SKIP() << "no CUDA backend here: " << e.what();
-    }
-    cpu_ = make_cpu_backend();
-  }
-  void TearDown() override {
-    if (gpu_) {
-      EXPECT_GT(cases_, 0) << "no case was compared";
-    }
-  }
-
-  std::vector<float> random(int64_t n, float scale = 1.f) {
-    std::uniform_real_distribution<float> d(-scale, scale);
-    std::vector<float> v(static_cast<size_t>(n));
-    for (auto& x : v) x = d(rng_);
-    return v;
-  }
-  template <typename T>
-  T* on_gpu(const std::vector<T>& host) {
-    buffers_.emplace_back(*gpu_, host.size() * sizeof(T));
-    gpu_->copy_to_backend(buffers_.back().data(), host.data(), host.size() * sizeof(T));
-    return buffers_.back().template data<T>();
-  }
-  float* poisoned_gpu(int64_t n) {
-    return on_gpu(std::vector<float>(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN()));
-  }
-  std::vector<float> to_host(const float* dev, int64_t n) {
-    std::vector<float> out(static_cast<size_t>(n));
-    gpu_->copy_to_host(out.data(), dev, out.size() * sizeof(float));
-    return out;
-  }
-  void expect_close(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
-    ASSERT_EQ(got.size(), want.size()) << what;
-    double diff = 0, ref = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(got[i])) << what << ": element " << i << " is " << got[i];
-      diff = std::max(diff, double(std::fabs(got[i] - want[i])));
-      ref = std::max(ref, double(std::fabs(want[i])));
-    }
-    EXPECT_LE(diff / ref, kFlashTolerance) << what;
-    ++cases_;
-  }
+  FlashAttentionTest() : GpuCompareTest(4321) {}
 
   struct Shape {
     int64_t n_head, n_head_kv, head_dim;
@@ -98,14 +55,10 @@ class FlashAttentionTest : public ::testing::Test {
                     s.head_dim, scale, out);
     expect_close(to_host(out, int64_t(want.size())), want,
                  fmt::format("flash attention {}/{}x{} m={} pos0={}{}", s.n_head, s.n_head_kv, s.head_dim, m,
-                             pos0, shuffled ? " shuffled" : ""));
-    buffers_.clear();
+                             pos0, shuffled ? " shuffled" : ""),
+                 kFlashTolerance);
+    release_buffers();
   }
-
-  int cases_ = 0;
-  std::mt19937 rng_{4321};
-  std::unique_ptr<Backend> gpu_, cpu_;
-  std::vector<Buffer> buffers_;
 };
 
 // Qwen3-30B-A3B (32 q / 4 kv heads x 128: group 8, 16 tokens per block), no GQA at head_dim 64

@@ -27,6 +27,7 @@
 #include "core/dtype.h"
 #include "core/status.h"
 #include "model/weights.h"
+#include "gpu_compare.h"
 
 namespace nibble {
 namespace {
@@ -34,57 +35,9 @@ namespace {
 constexpr double kInt4Tolerance = 1e-3;
 constexpr double kSplitTolerance = 1e-5;
 
-class GemmTest : public ::testing::Test {
+class GemmTest : public GpuCompareTest {
  protected:
-  void SetUp() override {
-    try {
-      gpu_ = make_backend("cuda");
-    } catch (const Error& e) {
-      GTEST_SKIP() << "no CUDA backend here: " << e.what();
-    }
-    cpu_ = make_cpu_backend();
-  }
-  void TearDown() override {
-    if (gpu_) {
-      EXPECT_GT(cases_, 0) << "no case was compared";
-    }
-  }
-
-  std::vector<float> random(int64_t n, float scale = 1.f) {
-    std::uniform_real_distribution<float> d(-scale, scale);
-    std::vector<float> v(static_cast<size_t>(n));
-    for (auto& x : v) x = d(rng_);
-    return v;
-  }
-  template <typename T>
-  T* on_gpu(const std::vector<T>& host) {
-    buffers_.emplace_back(*gpu_, host.size() * sizeof(T));
-    gpu_->copy_to_backend(buffers_.back().data(), host.data(), host.size() * sizeof(T));
-    return buffers_.back().template data<T>();
-  }
-  float* poisoned_gpu(int64_t n) {
-    return on_gpu(std::vector<float>(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN()));
-  }
-  std::vector<float> to_host(const float* dev, int64_t n) {
-    std::vector<float> out(static_cast<size_t>(n));
-    gpu_->copy_to_host(out.data(), dev, out.size() * sizeof(float));
-    return out;
-  }
-  void release_buffers() { buffers_.clear(); }
-
-  void expect_close(const std::vector<float>& got, const std::vector<float>& want, double tolerance,
-                    const std::string& what) {
-    ASSERT_EQ(got.size(), want.size()) << what;
-    double diff = 0, ref = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(got[i])) << what << ": element " << i << " is " << got[i];
-      diff = std::max(diff, double(std::fabs(got[i] - want[i])));
-      ref = std::max(ref, double(std::fabs(want[i])));
-    }
-    ASSERT_GT(ref, 0) << what << ": the reference is all zeros";
-    EXPECT_LE(diff / ref, tolerance) << what;
-    ++cases_;
-  }
+  GemmTest() : GpuCompareTest(4321) {}
 
   // INT4 [n, k]: random codes, zeros (or all 8) and positive scales; group -1: one group over K.
   LinearWeight int4(int64_t n, int64_t k, int64_t group, bool symmetric, bool bias) {
@@ -134,14 +87,10 @@ class GemmTest : public ::testing::Test {
     cpu_->linear(host, x.data(), m, want.data());
     float* out = poisoned_gpu(m * host.n);
     gpu_->linear(dev, on_gpu(x), m, out);
-    expect_close(to_host(out, m * host.n), want, tolerance, what);
+    expect_close(to_host(out, m * host.n), want, what, tolerance);
     release_buffers();
   }
 
-  int cases_ = 0;
-  std::mt19937 rng_{4321};
-  std::unique_ptr<Backend> gpu_, cpu_;
-  std::vector<Buffer> buffers_;
 };
 
 struct Int4Format {
@@ -248,9 +197,10 @@ TEST_F(GemmTest, MoePrefill) {
         cpu_->moe(host, x.data(), m, want.data());
         float* out = poisoned_gpu(m * c.hidden);
         gpu_->moe(dev, on_gpu(x), m, out);
-        expect_close(to_host(out, m * c.hidden), want, kInt4Tolerance,
+        expect_close(to_host(out, m * c.hidden), want,
                      fmt::format("moe E={} {}x{} m={} top_k={}{}", c.experts, c.hidden, c.inter, m, top_k,
-                                 skewed ? " skewed" : ""));
+                                 skewed ? " skewed" : ""),
+                     kInt4Tolerance);
         release_buffers();
       }
     }

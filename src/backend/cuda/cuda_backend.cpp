@@ -376,8 +376,7 @@ class CudaBackend final : public Backend {
       // Prefill on the tensor cores (head_dim 64/128, GQA group <= 8, 16-byte-aligned pointers):
       // each staged K/V tile serves a block's 128 (token, q head) rows. f16 operands, f32 sums.
     } else if (const int64_t chunk = std::min<int64_t>(256, cuda::kAttentionMaxPairs / n_head_kv);
-               chunk >= 1 && cuda::attention_decode(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr,
-                                                    0, n_head, n_head_kv, head_dim, scale)) {
+               chunk >= 1 && cuda::attention_decode_supports(chunk, n_head, n_head_kv, head_dim)) {
       // Prefill with the decode kernel, a chunk of query tokens per launch (bounds the split
       // partials): every (token, kv head, split) is a block, so a long prompt fills the GPU. The
       // fallback for shapes the flash-attention kernel does not take.

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/int4_args.cuh"
 #include "kernels/gemm_dense.cuh"
 #include "kernels/gemm_int4.cuh"
 #include "kernels/moe_prefill.cuh"
@@ -58,11 +59,6 @@ void allow_smem(Kernel kernel, int bytes) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-static_assert(sizeof(Int4Device) == sizeof(kernels::Int4Weight));
-
-kernels::Int4Weight to_kernel(const Int4Device& w) {
-  return {w.codes, reinterpret_cast<const __half*>(w.scales), w.zeros, w.group_shift, w.n_groups};
-}
 
 template <class Tile, GemmInt4Mode Mode>
 void launch_int4(const kernels::GemmInt4Params& p, int64_t grid_x) {

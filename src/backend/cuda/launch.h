@@ -66,9 +66,9 @@ void attention_split(const float* q, const float* k, const float* v, float* part
                      int64_t n_head_kv, int64_t head_dim, float scale);
 // Decode attention in one launch (kernels/attention.cuh attention_decode_kernel): head_dim 64 or
 // 128, GQA groups up to 8; false (nothing launched) for other shapes. partial as for
-// attention_split; counters: kAttentionMaxPairs device words, 0 between launches. m == 0 checks
-// the shape only.
+// attention_split; counters: kAttentionMaxPairs device words, 0 between launches.
 constexpr int64_t kAttentionMaxPairs = 4096;
+bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int64_t head_dim);
 bool attention_decode(const float* q, const float* k, const float* v, float* partial, float* out,
                       unsigned* counters, int64_t m, const int32_t* positions, int64_t max_context,
                       int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale);

@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "backend/cuda/int4_args.cuh"
 #include "backend/cuda/launch.h"
 #include "kernels/attention.cuh"
 #include "kernels/elementwise.cuh"
@@ -77,11 +78,6 @@ struct Embed {
   }
 };
 
-static_assert(sizeof(Int4Device) == sizeof(kernels::Int4Gemv));
-
-kernels::Int4Gemv to_kernel(const Int4Device& w) {
-  return {w.codes, reinterpret_cast<const __half*>(w.scales), w.zeros, w.group_shift, w.n_groups};
-}
 
 constexpr int kGemvWarps = kernels::kGemvThreads / 32;
 
@@ -183,7 +179,7 @@ void dispatch_cpg(int64_t group_shift, Fn&& fn) {
 
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k, const GemvIo& io) {
-  const kernels::Int4Gemv kw = to_kernel(w);
+  const kernels::Int4Weight kw = to_kernel(w);
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_cpg(w.group_shift, [&](auto CPG) {
       gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
@@ -211,9 +207,9 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
                      const float* norm, float eps, float* act, float* out, bool accumulate, int64_t m,
                      int64_t top_k, int64_t inter, int64_t hidden) {
   constexpr int kRows = 2;
-  const auto* g = reinterpret_cast<const kernels::Int4Gemv*>(gate);
-  const auto* u = reinterpret_cast<const kernels::Int4Gemv*>(up);
-  const auto* d = reinterpret_cast<const kernels::Int4Gemv*>(down);
+  const auto* g = reinterpret_cast<const kernels::Int4Weight*>(gate);
+  const auto* u = reinterpret_cast<const kernels::Int4Weight*>(up);
+  const auto* d = reinterpret_cast<const kernels::Int4Weight*>(down);
   dispatch_cpg(group_shift, [&](auto CPG) {
     const dim3 grid1(blocks_for((inter + kRows - 1) / kRows, kGemvWarps), unsigned(m * top_k));
     auto gate_up = [&](auto kNorm) {
@@ -265,12 +261,15 @@ void attention_split(const float* q, const float* k, const float* v, float* part
              n_splits);
 }
 
+bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int64_t head_dim) {
+  return (head_dim == 64 || head_dim == 128) && n_head / n_head_kv <= 8 && m * n_head_kv <= kAttentionMaxPairs;
+}
+
 bool attention_decode(const float* q, const float* k, const float* v, float* partial, float* out,
                       unsigned* counters, int64_t m, const int32_t* positions, int64_t max_context,
                       int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
+  if (!attention_decode_supports(m, n_head, n_head_kv, head_dim)) return false;
   const int64_t group = n_head / n_head_kv;
-  if ((head_dim != 64 && head_dim != 128) || group > 8 || m * n_head_kv > kAttentionMaxPairs) return false;
-  if (m == 0) return true;  // the shape check alone
   const int64_t n_splits = (max_context + kernels::kDecodeSplit - 1) / kernels::kDecodeSplit;
   const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
   auto go = [&](auto G, auto HD) {
