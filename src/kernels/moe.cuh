@@ -23,10 +23,14 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
                                             bool normalize, int32_t* __restrict__ ids,
                                             float* __restrict__ weights) {
   const int lane = threadIdx.x % 32;
+  // Only the first `per_lane` slots hold experts (4 for 128 experts): the unrolled loops stop
+  // there, which keeps the 8 serial arg-max rounds short; v stays in registers.
+  const int per_lane = int((n_experts + 31) / 32);
   float v[kMoeMaxExpertsPerLane];  // expert lane + 32 i
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kMoeMaxExpertsPerLane; ++i) {
+    if (i >= per_lane) break;
     const int64_t e = lane + 32 * i;
     v[i] = e < n_experts ? __ldcg(l + e) : -INFINITY;
     mx = fmaxf(mx, v[i]);
@@ -34,8 +38,10 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
   for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
   float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < kMoeMaxExpertsPerLane; ++i)
+  for (int i = 0; i < kMoeMaxExpertsPerLane; ++i) {
+    if (i >= per_lane) break;
     if (lane + 32 * i < n_experts) sum += expf(v[i] - mx);
+  }
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   float chosen_p = 0.f, top_sum = 0.f;  // lane j keeps the j-th choice
   int32_t chosen = -1;
@@ -44,6 +50,7 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
     int32_t best_e = INT32_MAX;
 #pragma unroll
     for (int i = 0; i < kMoeMaxExpertsPerLane; ++i) {
+      if (i >= per_lane) break;
       const int32_t e = lane + 32 * i;
       if (e < n_experts && (v[i] > best || (v[i] == best && e < best_e))) best = v[i], best_e = e;
     }
@@ -56,8 +63,10 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
     top_sum += p;
     if (lane == j) chosen = best_e, chosen_p = p;
 #pragma unroll
-    for (int i = 0; i < kMoeMaxExpertsPerLane; ++i)
+    for (int i = 0; i < kMoeMaxExpertsPerLane; ++i) {
+      if (i >= per_lane) break;
       if (lane + 32 * i == best_e) v[i] = -INFINITY;  // taken
+    }
   }
   if (lane < top_k) {
     ids[lane] = chosen;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -85,7 +86,12 @@ TEST(DummyWeights, BackendsAgree) {
       diff = std::max(diff, double(std::fabs(got[i] - want[i])));
       ref = std::max(ref, double(std::fabs(want[i])));
     }
-    EXPECT_LE(diff / ref, 1e-4) << "quantization '" << q << "', " << dir;
+    // INT4 at the decode shapes runs on the tensor cores with f16 activations and dequantised
+    // weights (relative 2^-11 each, kernels/gemv_mma.cuh) through 2 layers of 6 products each;
+    // everything else here computes in f32.
+    const bool f16 = std::string(q) == "int4" && dir != kTinyMoe;
+    std::printf("  cuda vs cpu, quantization '%s', %s: %.2e\n", q, dir.c_str(), diff / ref);
+    EXPECT_LE(diff / ref, f16 ? 2e-3 : 1e-4) << "quantization '" << q << "', " << dir;
   }
 }
 

@@ -238,5 +238,76 @@ TEST(GemmLayout, DenseSwizzleIsConflictFree) {
     }
 }
 
+
+// The decode GEMV's k order (gemv_mma_k): a bijection over each chunk, read off the words a thread
+// loads (nibble j = 2jp + r + 4e of lane t + 4i is the layout's k), and the staged activations put
+// each k where the A fragment of the same mma row expects it.
+TEST(GemmLayout, GemvMmaOrderIsABijectionOverTheLayout) {
+  for (int64_t c = 0; c < 5; ++c) {
+    std::vector<int> seen(256, 0);
+    for (int i = 0; i < 8; ++i)
+      for (int jp = 0; jp < 2; ++jp)
+        for (int t = 0; t < 4; ++t)
+          for (int r = 0; r < 2; ++r)
+            for (int e = 0; e < 2; ++e) {
+              const int64_t k = gemv_mma_k(c, i, jp, t, r, e);
+              ASSERT_GE(k, 256 * c);
+              ASSERT_LT(k, 256 * (c + 1));
+              ++seen[size_t(k - 256 * c)];
+              // The word of lane t + 4i, nibble 2jp + r + 4e (the pair b[r] = nibbles p, p + 4).
+              EXPECT_EQ(k, int4_layout_k(c, t + 4 * i, 2 * jp + r + 4 * e));
+            }
+    for (int k = 0; k < 256; ++k) ASSERT_EQ(seen[size_t(k)], 1) << "c " << c << " k " << k;
+  }
+}
+
+TEST(GemmLayout, GemvMmaStagingMatchesTheFragments) {
+  constexpr int64_t kChunks = 3;
+  std::set<int64_t> halves;
+  for (int64_t k = 0; k < 256 * kChunks; ++k) halves.insert(gemv_mma_x_half(k));
+  EXPECT_EQ(halves.size(), size_t(256 * kChunks));
+  EXPECT_EQ(*halves.rbegin(), 256 * kChunks - 1);  // a permutation of the row
+  for (int64_t c = 0; c < kChunks; ++c)
+    for (int i = 0; i < 8; ++i)
+      for (int jp = 0; jp < 2; ++jp)
+        for (int lane = 0; lane < 32; ++lane)
+          for (int r = 0; r < 2; ++r)
+            for (int e = 0; e < 2; ++e) {
+              const int t = lane % 4;
+              // A (the weights): registers 2r (row g) and 2r + 1 (row g + 8), half e, are k-slot
+              // κ = 2t + e + 8r of rows lane / 4 and lane / 4 + 8.
+              const int kappa = mma_a_col(lane, 2 * r, e);
+              EXPECT_EQ(kappa, 2 * t + e + 8 * r);
+              EXPECT_EQ(mma_a_col(lane, 2 * r + 1, e), kappa);
+              EXPECT_EQ(mma_a_row(lane, 2 * r), lane / 4);
+              EXPECT_EQ(mma_a_row(lane, 2 * r + 1), lane / 4 + 8);
+              // B (the activations): b[r] half e of this lane is the same k-slot, column lane / 4.
+              EXPECT_EQ(mma_b_row(lane, r, e), kappa);
+              // Staged unit (step, t), half 2r + e, is that k.
+              const int64_t k = gemv_mma_k(c, i, jp, t, r, e);
+              EXPECT_EQ(gemv_mma_x_half(k), (gemv_mma_step(c, i, jp) * 4 + t) * 4 + 2 * r + e);
+            }
+}
+
+// Half e of register pair r is dequantised with the scale of its own group: the kernel's scale sets
+// (kernels/gemv_mma.cuh) take the groups of p = 2jp + r at the first p of each set.
+TEST(GemmLayout, GemvMmaScaleSetsCoverTheirGroups) {
+  for (int shift = 5; shift <= 30; ++shift) {
+    const int cpg = shift >= 8 ? 8 : 1 << (shift - 5);
+    const int sets = cpg >= 4 ? 1 : 4 / cpg, per_set = 4 / sets;
+    for (int64_t c = 0; c < 9; ++c)
+      for (int jp = 0; jp < 2; ++jp)
+        for (int r = 0; r < 2; ++r)
+          for (int e = 0; e < 2; ++e) {
+            const int p = 2 * jp + r, p0 = p / per_set * per_set;
+            EXPECT_EQ(gemv_mma_group(c, jp, r, e, shift), (256 * c + 32 * p0 + 128 * e) >> shift)
+                << "G " << (1 << shift) << " c " << c << " p " << p;
+            for (int t = 0; t < 4; ++t)
+              for (int i = 0; i < 8; ++i)  // every k of the half is in that group
+                EXPECT_EQ(gemv_mma_k(c, i, jp, t, r, e) >> shift, gemv_mma_group(c, jp, r, e, shift));
+          }
+  }
+}
+
 }  // namespace
 }  // namespace nibble::kernels

@@ -556,7 +556,7 @@ class CudaBackend final : public Backend {
     const ExpertTables* tables = expert_tables(w);
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k, inter = w.experts[0].gate.n;
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
-    Buffer act(*this, size_t(m * K * inter) * 4);
+    Buffer act(*this, size_t(m * K * inter) * 2);  // f16, in the decode mma order
     cuda::moe_router(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(), K,
                      w.normalize, ids.data<int32_t>(), weights.data(), route_counter_.data<unsigned>());
     CUDA_CHECK_LAUNCH("moe_router");

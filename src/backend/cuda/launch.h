@@ -52,12 +52,12 @@ void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_
                 float* weights, unsigned* counter);
 // MoE decode for m <= kGemvMaxM tokens with device-side routing (ids/weights [m, top_k]): the
 // tables hold each expert's gate/up/down matrix (device arrays of Int4Device, n_experts long),
-// all with the same group_shift; act is scratch [m * top_k, inter]. x is normalised with `norm`
+// all with the same group_shift; act is scratch of m * top_k * inter halves. x is normalised with `norm`
 // when non-null; out += result when accumulate. top_k <= kMoeDecodeMaxTopK.
 constexpr int64_t kMoeDecodeMaxTopK = 8;
 void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down,
                      int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
-                     const float* norm, float eps, float* act, float* out, bool accumulate, int64_t m,
+                     const float* norm, float eps, void* act, float* out, bool accumulate, int64_t m,
                      int64_t top_k, int64_t inter, int64_t hidden);
 // Split-K attention; partial is scratch of attention_split_floats(...) floats.
 int64_t attention_split_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim);

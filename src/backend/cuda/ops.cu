@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 
 #include "backend/cuda/int4_args.cuh"
@@ -11,6 +12,7 @@
 #include "kernels/attention.cuh"
 #include "kernels/elementwise.cuh"
 #include "kernels/gemv.cuh"
+#include "kernels/gemv_mma.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/norm.cuh"
@@ -177,14 +179,45 @@ void dispatch_cpg(int64_t group_shift, Fn&& fn) {
     fn(std::integral_constant<int, 1>{});
 }
 
+// Warps along K per 16-row tile (KS) and tiles per block (NTB) of the tensor-core decode GEMV: one
+// group of 4 chunks per warp up to K = 8192, 4 warps a block where the tiles allow it.
+template <typename Fn>
+void dispatch_mma_split(int64_t k, Fn&& fn) {
+  const int64_t quads = (k / 256 + 3) / 4;
+  if (quads >= 5)
+    fn(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
+  else if (quads >= 3)
+    fn(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
+  else if (quads == 2)
+    fn(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
+  else
+    fn(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
+}
+
+// Dynamic shared memory above the 48 KB default needs an opt-in per kernel; done once per kernel
+// and size.
+template <typename... Params>
+void allow_smem(void (*kernel)(Params...), size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  static std::unordered_map<const void*, size_t> allowed;  // host code, one thread launches
+  size_t& done = allowed[reinterpret_cast<const void*>(kernel)];
+  if (bytes > done) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    done = bytes;
+  }
+}
+
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k, const GemvIo& io) {
   const kernels::Int4Weight kw = to_kernel(w);
+  const size_t smem = size_t(kernels::mma_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_cpg(w.group_shift, [&](auto CPG) {
-      gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
-        launch_pdl(kernels::gemv_int4_kernel<M.value, R.value, CPG.value, kNorm.value>, grid, 32 * kGemvWarps, kw,
-                   bias, x, y, int(m), n, k, to_kernel(io));
+      dispatch_mma_split(k, [&](auto KS, auto NTB) {
+        const auto kernel = kernels::gemv_int4_mma_kernel<CPG.value, kNorm.value, KS.value, NTB.value>;
+        allow_smem(kernel, smem);
+        launch_pdl_smem(kernel, blocks_for((n + 15) / 16, NTB.value), 32 * KS.value * NTB.value, smem, kw, bias, x, y,
+                        int(m), n, k, to_kernel(io));
       });
     });
   });
@@ -204,28 +237,33 @@ void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_
 
 void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down,
                      int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
-                     const float* norm, float eps, float* act, float* out, bool accumulate, int64_t m,
+                     const float* norm, float eps, void* act, float* out, bool accumulate, int64_t m,
                      int64_t top_k, int64_t inter, int64_t hidden) {
-  constexpr int kRows = 2;
   const auto* g = reinterpret_cast<const kernels::Int4Weight*>(gate);
   const auto* u = reinterpret_cast<const kernels::Int4Weight*>(up);
   const auto* d = reinterpret_cast<const kernels::Int4Weight*>(down);
+  auto* act_h = static_cast<__half*>(act);
   dispatch_cpg(group_shift, [&](auto CPG) {
-    const dim3 grid1(blocks_for((inter + kRows - 1) / kRows, kGemvWarps), unsigned(m * top_k));
-    auto gate_up = [&](auto kNorm) {
-      launch_pdl(kernels::moe_gate_up_int4_kernel<kRows, CPG.value, kNorm.value>, grid1, 32 * kGemvWarps, g, u,
-                 ids, x, act, top_k, inter, hidden, norm, eps);
-    };
-    if (norm)
-      gate_up(std::true_type{});
-    else
-      gate_up(std::false_type{});
-    // Down: 8 output rows per block (256 blocks of 8 warps for hidden 2048: one wave at 2 blocks
-    // per SM).
-    constexpr int kDownRows = 8;
-    const dim3 grid2(unsigned((hidden + kDownRows - 1) / kDownRows), unsigned(m));
-    launch_pdl(kernels::moe_down_int4_kernel<kDownRows, CPG.value>, grid2, 32 * kernels::kMoeDownSlots, d, ids,
-               weights, act, out, top_k, inter, hidden, accumulate);
+    dispatch_mma_split(hidden, [&](auto KS, auto) {
+      const dim3 grid(unsigned((inter + 15) / 16), unsigned(m * top_k));
+      const size_t smem = size_t(kernels::mma_x_bytes(1, hidden));
+      auto gate_up = [&](auto kNorm) {
+        const auto kernel = kernels::moe_gate_up_int4_mma_kernel<CPG.value, kNorm.value, KS.value>;
+        allow_smem(kernel, smem);
+        launch_pdl_smem(kernel, grid, 64 * KS.value, smem, g, u, ids, x, act_h, top_k, inter, hidden, norm, eps);
+      };
+      if (norm)
+        gate_up(std::true_type{});
+      else
+        gate_up(std::false_type{});
+    });
+    // Down: one 16-row tile per block, one warp per slot (128 blocks of 8 warps for hidden 2048).
+    const dim3 grid(unsigned((hidden + 15) / 16), unsigned(m));
+    const size_t smem = size_t(kernels::mma_x_bytes(top_k, inter));
+    const auto kernel = kernels::moe_down_int4_mma_kernel<CPG.value>;
+    allow_smem(kernel, smem);
+    launch_pdl_smem(kernel, grid, 32 * kernels::kMoeDownSlots, smem, d, ids, weights, act_h, out, top_k, inter,
+                    hidden, accumulate);
   });
 }
 

@@ -1,0 +1,348 @@
+// Decode products of INT4 weights (m <= 8 activation rows) on the tensor cores: the attention
+// projections and the MoE experts of a decode step.
+//
+// Why: the CUDA-core GEMV spent ~9.6 instructions per weight (nibble extraction, an int-to-float
+// trick, the fma, the x loads), so at batch 1 the INT4 GEMVs were issue-bound at 13-29% of DRAM
+// bandwidth (Nsight Compute, BENCHMARKS.md). Here a thread turns two codes into an f16x2 with one
+// lop3, subtracts (1024 + zero) exactly, multiplies by the scale, and one mma.m16n8k16 does the
+// multiply-adds of 8 weights per thread: about 2 instructions per weight.
+//
+// The mma is used with the weights as A (16 output rows) and the activation rows as B (M <= 8
+// columns, the rest zero). Thread (g, t) loads the words of rows g and g + 8 of its 16-row tile
+// straight from global memory, in the warp-interleaved layout every INT4 kernel reads
+// (kernels/gemv.cuh): the 16-byte units of lanes t + 4i, i = 0..7, of a group of 4 chunks (1024 k)
+// are all its A values for those k. The k order that follows from it is in gemm_layout.h
+// (gemv_mma_k); the activations are staged by each block into shared memory as f16 in that
+// order, so a step's B fragment is one 8-byte shared load straight into the mma's registers.
+//
+// Work split: a warp owns one 16-row tile over one group of 4 chunks, so all its weight loads are
+// issued at once, before it waits for the previous kernel (PDL), and a wave of blocks has the
+// whole matrix in flight. The number of words of the group is a template parameter, so the 64
+// steps are straight-line code the compiler can schedule. Warps that share a tile but own
+// different groups (split K) meet in shared memory; the sum is in warp order, so results are
+// deterministic.
+//
+// Precision: activations and dequantised weights are rounded to f16 (relative 2^-11 each), the
+// products accumulate in f32: the same terms as the prefill GEMM (gemm_int4.cuh), tested at the
+// same tolerance.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/gemm_layout.h"
+#include "kernels/gemv.cuh"
+#include "kernels/int4_weight.cuh"
+#include "kernels/mma.cuh"
+#include "kernels/pdl.cuh"
+
+namespace nibble::kernels {
+
+// Scale sets per chunk: register pair r of a word pairs the codes p and p + 4 (p = 2jp + r), whose
+// groups are (256c + 32p) >> shift and that + 128. CPG = G / 32 codes of a word share a group: for
+// G >= 128 one (low, high) pair of groups serves all four p, for G = 64 two, for G = 32 four.
+template <int CPG>
+constexpr int kMmaScaleSets = CPG >= 4 ? 1 : 4 / CPG;
+
+// Rows g and g + 8 of a tile, one group of 4 chunks, as thread t of its quad needs them.
+template <int CPG>
+struct MmaWeights {
+  static constexpr int kSets = kMmaScaleSets<CPG>;
+  uint32_t w[2][8][4];      // [row g / g + 8][i][cc]: word (chunk 4q + cc, lane t + 4i)
+  uint32_t s[2][4][kSets];  // f16x2 scales (group of the low half, of the high half)
+  uint32_t z[2][4][kSets];  // f16x2 1024 + zero point, likewise
+};
+
+// Words in group q of a row of k: 4, or fewer in a last partial group.
+__host__ __device__ constexpr int mma_group_words(int64_t k, int64_t q) {
+  return k / 256 - 4 * q >= 4 ? 4 : int(k / 256 - 4 * q);
+}
+
+// Calls f(std::integral_constant<int, words>) for words = 1..4.
+template <typename F>
+__device__ __forceinline__ void with_words(int words, F&& f) {
+  switch (words) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0] and rows[1].
+template <int CPG, int WORDS>
+__device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int64_t (&rows)[2], int64_t k,
+                                                 int64_t q, MmaWeights<CPG>& mw) {
+  const int t = threadIdx.x % 4;
+  const int64_t c0 = 4 * q;
+  const int shift = int(w.group_shift);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* base = w.codes + rows[h] * (k / 2) + c0 * 128;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if constexpr (WORDS == 4) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(base) + t + 4 * i);
+        mw.w[h][i][0] = v.x, mw.w[h][i][1] = v.y, mw.w[h][i][2] = v.z, mw.w[h][i][3] = v.w;
+      } else {  // a last partial group: [lane][WORDS]
+#pragma unroll
+        for (int cc = 0; cc < WORDS; ++cc)
+          mw.w[h][i][cc] = __ldg(reinterpret_cast<const uint32_t*>(base) + (t + 4 * i) * WORDS + cc);
+      }
+    }
+    const __half* scales = w.scales + rows[h] * w.n_groups;
+    const uint8_t* zeros = w.zeros ? w.zeros + rows[h] * w.n_groups : nullptr;
+#pragma unroll
+    for (int cc = 0; cc < WORDS; ++cc)
+#pragma unroll
+      for (int set = 0; set < MmaWeights<CPG>::kSets; ++set) {
+        const int64_t c = c0 + cc, p = set * (4 / MmaWeights<CPG>::kSets);
+        const int64_t lo = (256 * c + 32 * p) >> shift, hi = (256 * c + 32 * p + 128) >> shift;
+        mw.s[h][cc][set] = uint32_t(__half_as_ushort(scales[lo])) | uint32_t(__half_as_ushort(scales[hi])) << 16;
+        const uint32_t zlo = zeros ? zeros[lo] : 8u, zhi = zeros ? zeros[hi] : 8u;
+        mw.z[h][cc][set] = (0x6400u | zlo) | (0x6400u | zhi) << 16;
+      }
+  }
+}
+
+// Independent accumulators: consecutive mma of a warp would otherwise wait on each other's result
+// (a ~30-cycle chain per step), and at batch 1 there are too few warps per scheduler to hide it.
+constexpr int kMmaChains = 2;
+
+// acc[chain] += A · B over group q (step (i, jp) goes to chain jp). xb: this thread's units of its
+// activation column in shared memory (+ t), null when the thread's column is past m.
+template <int CPG, int WORDS>
+__device__ __forceinline__ void mma_group_dot(const MmaWeights<CPG>& mw, int64_t q, const uint2* xb,
+                                              float (&acc)[kMmaChains][4]) {
+  constexpr int kPairsPerSet = 4 / kMmaScaleSets<CPG>;
+  // Unit i of the loads first: the units arrive in the order they were issued, and each one's
+  // words are consumed as soon as it is there.
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int cc = 0; cc < WORDS; ++cc)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) {
+        uint2 b = make_uint2(0u, 0u);
+        if (xb) b = xb[4 * gemv_mma_step(4 * q + cc, i, jp)];
+        uint32_t a[4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int p = 2 * jp + r, set = p / kPairsPerSet;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)  // a0, a2: row g; a1, a3: row g + 8
+            a[2 * r + h] =
+                f16x2_sub_mul(nibbles_to_f16x2_plus_1024(mw.w[h][i][cc] >> (4 * p)), mw.z[h][cc][set], mw.s[h][cc][set]);
+        }
+        mma_f16(acc[jp], a, b.x, b.y);
+      }
+}
+
+// The chains summed in order: D[rows g, g + 8][columns 2t, 2t + 1] of the tile for thread (g, t),
+// as {D[g][2t], D[g][2t + 1], D[g + 8][2t], D[g + 8][2t + 1]}.
+__device__ __forceinline__ float4 mma_chains_sum(const float (&acc)[kMmaChains][4]) {
+  float4 d = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int c = 0; c < kMmaChains; ++c) d.x += acc[c][0], d.y += acc[c][1], d.z += acc[c][2], d.w += acc[c][3];
+  return d;
+}
+
+// A warp's whole share of one tile: groups kw, kw + KS, ... of rows (tile0 + g, tile0 + g + 8)
+// (clamped to n - 1: rows past n are read but never stored). The first group's loads are issued by
+// `start` (before pdl_wait), the rest and the products by `finish`.
+template <int CPG, int KS>
+struct MmaTile {
+  MmaWeights<CPG> mw;
+  int64_t rows[2];
+  int64_t quads, k;
+  int kw;
+
+  __device__ __forceinline__ void start(const Int4Weight& w, int64_t tile0, int64_t n, int64_t k_, int kw_) {
+    const int g = threadIdx.x % 32 / 4;
+    k = k_, kw = kw_, quads = (k / 256 + 3) / 4;
+    rows[0] = tile0 + g < n ? tile0 + g : n - 1;
+    rows[1] = tile0 + g + 8 < n ? tile0 + g + 8 : n - 1;
+    if (kw < quads) with_words(mma_group_words(k, kw), [&](auto W) { mma_weights_load<CPG, W.value>(w, rows, k, kw, mw); });
+  }
+
+  __device__ __forceinline__ void finish(const Int4Weight& w, const uint2* xb, float (&acc)[kMmaChains][4]) {
+    for (int64_t q = kw; q < quads; q += KS)
+      with_words(mma_group_words(k, q), [&](auto W) {
+        if (q != kw) mma_weights_load<CPG, W.value>(w, rows, k, q, mw);
+        mma_group_dot<CPG, W.value>(mw, q, xb, acc);
+      });
+  }
+};
+
+// Stages rows mi < m of x (RMS-normalised when kNorm: xr.inv must be set) into shared memory as
+// f16 in the decode mma order: row mi at xs + mi · xs_stride halves, unit (step, t) = 4 halves
+// (gemm_layout.h). Each thread issues kStageVec 16-byte loads (and the norm's) before it converts
+// any: one L2 round trip per kStageVec · blockDim · 4 inputs, not one per 4. With the norm, half
+// as many per round: the registers are shared with the weights already in flight.
+template <int M, bool kNorm>
+__device__ __forceinline__ void mma_stage_x(const XRows<M, kNorm>& xr, int k, __half* xs, int xs_stride) {
+  constexpr int kStageVec = kNorm ? 2 : 4;
+  const int per_row = k / 4, total = xr.m * per_row;
+  for (int base = threadIdx.x; base < total; base += kStageVec * blockDim.x) {
+    float4 v[kStageVec], nw[kStageVec];
+#pragma unroll
+    for (int j = 0; j < kStageVec; ++j) {
+      const int idx = base + j * blockDim.x;
+      if (idx < total) {
+        const int mi = idx / per_row, k0 = 4 * (idx % per_row);
+        v[j] = *reinterpret_cast<const float4*>(xr.x + mi * xr.stride + k0);
+        if constexpr (kNorm) nw[j] = *reinterpret_cast<const float4*>(xr.norm + k0);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kStageVec; ++j) {
+      const int idx = base + j * blockDim.x;
+      if (idx >= total) break;
+      const int mi = idx / per_row, k0 = 4 * (idx % per_row);
+      float f[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+      if constexpr (kNorm) {
+        const float inv = xr.inv[mi], w[4] = {nw[j].x, nw[j].y, nw[j].z, nw[j].w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) f[u] = f[u] * inv * w[u];
+      }
+      // k0 .. k0 + 3 are threads t = 0..3 of one step: consecutive units, 4 halves apart.
+      __half* dst = xs + mi * xs_stride + gemv_mma_x_half(k0);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) dst[4 * u] = __float2half_rn(f[u]);
+    }
+  }
+}
+
+// Halves per staged activation row: 16 more than k, so the rows of different tokens start on
+// different banks (a row is a multiple of 512 bytes).
+__host__ __device__ constexpr int64_t mma_x_stride(int64_t k) { return k + 16; }
+
+// Shared memory of a block that stages m rows of length k.
+__host__ __device__ constexpr int64_t mma_x_bytes(int64_t m, int64_t k) { return 2 * m * mma_x_stride(k); }
+
+// This thread's B units: column g (= lane / 4) of the staged rows, null past m.
+__device__ __forceinline__ const uint2* mma_x_units(const __half* xs, int64_t k, int m) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  return g < m ? reinterpret_cast<const uint2*>(xs + g * mma_x_stride(k)) + t : nullptr;
+}
+
+// y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b), m <= kGemvMaxM. A block has NTB 16-row tiles × KS warps
+// along K; warp (nt, kw) takes groups kw, kw + KS, ... of tile nt.
+template <int CPG, bool kNorm, int KS, int NTB>
+__global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight w, const float* __restrict__ bias,
+                                                                      const float* __restrict__ x,
+                                                                      float* __restrict__ y, int m, int64_t n,
+                                                                      int64_t k, GemvIo io) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int nt = warp / KS, kw = warp % KS;
+  MmaTile<CPG, KS> tile;
+  tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw);  // weights need no predecessor
+  pdl_enter();
+  XRows<kGemvMaxM, kNorm> xr{x, k, m, io.norm, {}};
+  block_inv_rms(xr, k, io.eps);
+  __half* xs = reinterpret_cast<__half*>(dynamic_smem());
+  mma_stage_x(xr, int(k), xs, int(mma_x_stride(k)));
+  __syncthreads();
+  float acc[kMmaChains][4] = {};
+  tile.finish(w, mma_x_units(xs, k, m), acc);
+  __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
+  const float4 d = mma_chains_sum(acc);
+  if (2 * t < m) partial[nt][kw][2 * t][g] = d.x, partial[nt][kw][2 * t][g + 8] = d.z;
+  if (2 * t + 1 < m) partial[nt][kw][2 * t + 1][g] = d.y, partial[nt][kw][2 * t + 1][g + 8] = d.w;
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < NTB * m * 16; idx += blockDim.x) {
+    const int tn = idx / (m * 16), mi = idx / 16 % m, r = idx % 16;
+    const int64_t out_row = (int64_t(blockIdx.x) * NTB + tn) * 16 + r;
+    if (out_row >= n) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < KS; ++j) s += partial[tn][j][mi][r];
+    float* o = y + mi * n + out_row;
+    *o = (io.accumulate ? *o : 0.f) + s + (bias ? bias[out_row] : 0.f);
+  }
+}
+
+// MoE decode, stage 1: for token t and slot s (expert e = ids[t, s]), act[t, s] =
+// silu(gate_e · x_t) * (up_e · x_t), x_t RMS-normalised first when kNorm. act is written as f16
+// in the decode mma order of a row of `inter` (stage 2 stages it with plain copies). A block has
+// KS warps along K on one 16-row tile of gate and KS on the same tile of up.
+template <int CPG, bool kNorm, int KS>
+__global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
+    const Int4Weight* __restrict__ gate, const Int4Weight* __restrict__ up, const int32_t* __restrict__ ids,
+    const float* __restrict__ x, __half* __restrict__ act, int64_t top_k, int64_t inter, int64_t hidden,
+    const float* __restrict__ norm, float eps) {
+  pdl_enter();  // the experts come from the router, the previous kernel
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int h = warp / KS, kw = warp % KS;  // h: 0 gate, 1 up
+  const int64_t slot = blockIdx.y;          // token · top_k + s
+  const int64_t tile0 = int64_t(blockIdx.x) * 16;
+  const int32_t e = ids[slot];
+  const Int4Weight w = h == 0 ? gate[e] : up[e];
+  MmaTile<CPG, KS> tile;
+  tile.start(w, tile0, inter, hidden, kw);
+  XRows<1, kNorm> xr{x + (slot / top_k) * hidden, hidden, 1, norm, {}};
+  block_inv_rms(xr, hidden, eps);
+  __half* xs = reinterpret_cast<__half*>(dynamic_smem());
+  mma_stage_x(xr, int(hidden), xs, int(mma_x_stride(hidden)));
+  __syncthreads();
+  float acc[kMmaChains][4] = {};
+  tile.finish(w, mma_x_units(xs, hidden, 1), acc);
+  __shared__ float partial[2][KS][16];
+  const float4 d = mma_chains_sum(acc);
+  if (t == 0) partial[h][kw][g] = d.x, partial[h][kw][g + 8] = d.z;  // column 0: the token
+  __syncthreads();
+  if (threadIdx.x < 16 && tile0 + threadIdx.x < inter) {
+    float gs = 0.f, us = 0.f;
+#pragma unroll
+    for (int j = 0; j < KS; ++j) gs += partial[0][j][threadIdx.x], us += partial[1][j][threadIdx.x];
+    act[slot * inter + gemv_mma_x_half(tile0 + threadIdx.x)] = __float2half_rn(gs / (1.f + expf(-gs)) * us);
+  }
+}
+
+// MoE decode, stage 2: out[t, :] (+)= Σ_s weight[t, s] · (down_e · act[t, s]). A block has one
+// warp per slot (top_k <= kMoeDownSlots) on one 16-row tile of one token, so all slots' weights
+// stream at once; the slots' partial sums meet in shared memory and are added in slot order. The
+// routing was written two launches back (by the router, before stage 1), so the experts' weights
+// load before pdl_wait (see pdl.cuh).
+constexpr int kMoeDownSlots = 8;
+
+template <int CPG>
+__global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
+    const Int4Weight* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
+    const __half* __restrict__ act, float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden,
+    bool accumulate) {
+  const int s = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t tok = blockIdx.y, tile0 = int64_t(blockIdx.x) * 16;
+  MmaTile<CPG, 1> tile;
+  Int4Weight wd{};
+  if (s < top_k) {
+    wd = down[ids[tok * top_k + s]];
+    tile.start(wd, tile0, hidden, inter, 0);
+  }
+  pdl_enter();
+  // The slots' activation rows are already f16 in mma order: 16-byte copies.
+  __half* xs = reinterpret_cast<__half*>(dynamic_smem());
+  const int units = int(inter / 8);
+  for (int idx = threadIdx.x; idx < int(top_k) * units; idx += blockDim.x) {
+    const int s2 = idx / units, u = idx % units;
+    reinterpret_cast<uint4*>(xs + s2 * mma_x_stride(inter))[u] =
+        reinterpret_cast<const uint4*>(act + (tok * top_k + s2) * inter)[u];
+  }
+  __syncthreads();
+  float acc[kMmaChains][4] = {};
+  if (s < top_k) tile.finish(wd, mma_x_units(xs + s * mma_x_stride(inter), inter, 1), acc);
+  __shared__ float partial[kMoeDownSlots][16];
+  const float4 d = mma_chains_sum(acc);
+  if (t == 0 && s < top_k) partial[s][g] = d.x, partial[s][g + 8] = d.z;
+  __syncthreads();
+  if (threadIdx.x < 16 && tile0 + threadIdx.x < hidden) {
+    float total = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) total += weights[tok * top_k + j] * partial[j][threadIdx.x];
+    float* o = out + tok * hidden + tile0 + threadIdx.x;
+    *o = (accumulate ? *o : 0.f) + total;
+  }
+}
+
+}  // namespace nibble::kernels
