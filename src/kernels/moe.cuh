@@ -43,29 +43,39 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
     if (lane + 32 * i < n_experts) sum += expf(v[i] - mx);
   }
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  // The arg-max rounds on order-preserving integer keys: one warp max (redux.sync) finds the best
+  // logit, one warp min the lowest expert holding it (the CPU reference's tie rule), instead of
+  // five shuffle rounds of (value, id) pairs per choice. Taken and absent experts have key 0.
+  uint32_t key[kMoeMaxExpertsPerLane];
+#pragma unroll
+  for (int i = 0; i < kMoeMaxExpertsPerLane; ++i) {
+    if (i >= per_lane) break;
+    const uint32_t u = __float_as_uint(v[i] + 0.f);  // -0 -> +0: equal logits, equal keys
+    key[i] = lane + 32 * i < n_experts ? ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) : 0u;
+  }
   float chosen_p = 0.f, top_sum = 0.f;  // lane j keeps the j-th choice
   int32_t chosen = -1;
   for (int64_t j = 0; j < top_k; ++j) {
-    float best = -INFINITY;
-    int32_t best_e = INT32_MAX;
+    uint32_t best = 0;
 #pragma unroll
     for (int i = 0; i < kMoeMaxExpertsPerLane; ++i) {
       if (i >= per_lane) break;
-      const int32_t e = lane + 32 * i;
-      if (e < n_experts && (v[i] > best || (v[i] == best && e < best_e))) best = v[i], best_e = e;
+      best = max(best, key[i]);
     }
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, offset);
-      const int32_t oe = __shfl_xor_sync(0xffffffffu, best_e, offset);
-      if (ob > best || (ob == best && oe < best_e)) best = ob, best_e = oe;
-    }
-    const float p = expf(best - mx) / sum;
+    best = __reduce_max_sync(0xffffffffu, best);
+    uint32_t candidate = 0xffffffffu;
+#pragma unroll
+    for (int i = kMoeMaxExpertsPerLane - 1; i >= 0; --i)  // the lowest i holding it wins
+      if (i < per_lane && key[i] == best) candidate = uint32_t(lane + 32 * i);
+    const int32_t best_e = int32_t(__reduce_min_sync(0xffffffffu, candidate));
+    const float logit = __uint_as_float((best & 0x80000000u) ? (best & 0x7fffffffu) : ~best);
+    const float p = expf(logit - mx) / sum;
     top_sum += p;
     if (lane == j) chosen = best_e, chosen_p = p;
 #pragma unroll
     for (int i = 0; i < kMoeMaxExpertsPerLane; ++i) {
       if (i >= per_lane) break;
-      if (lane + 32 * i == best_e) v[i] = -INFINITY;  // taken
+      if (lane + 32 * i == best_e) key[i] = 0u;  // taken
     }
   }
   if (lane < top_k) {
