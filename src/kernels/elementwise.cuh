@@ -32,32 +32,55 @@ __global__ void embed_kernel(const void* __restrict__ table, const int32_t* __re
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[t * dim + i] = load_weight<T>(table, row * dim + i);
 }
 
-// Greedy sampling: block r finds the largest of x[r, 0..n), lowest index on ties (as
-// std::max_element). Each thread scans a stride, then warp and block reductions of (value, index).
-__global__ void argmax_kernel(const float* __restrict__ x, int64_t n, int32_t* __restrict__ out) {
-  pdl_enter();
-  __shared__ float s_val[32];
-  __shared__ int32_t s_idx[32];
-  const float* row = x + int64_t(blockIdx.x) * n;
-  float best = -INFINITY;
-  int32_t best_i = INT32_MAX;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const float v = row[i];
-    if (v > best || (v == best && int32_t(i) < best_i)) best = v, best_i = int32_t(i);
+// Greedy sampling: the largest of x[r, 0..n) per row r, lowest index on ties (as
+// std::max_element), in two launches: kArgmaxSplits blocks per row each reduce a slice (a vocabulary
+// of 152K read by one block was a 58 µs chain of dependent loads), then one warp per row merges the
+// slices' (value, index) pairs.
+constexpr int kArgmaxSplits = 64;
+
+struct ArgmaxBest {
+  float val = -INFINITY;
+  int32_t idx = INT32_MAX;
+  __device__ __forceinline__ void merge(float v, int32_t i) {
+    if (v > val || (v == val && i < idx)) val = v, idx = i;
   }
-  auto merge = [&](float v, int32_t i) {
-    if (v > best || (v == best && i < best_i)) best = v, best_i = i;
-  };
-  for (int o = 16; o > 0; o >>= 1) merge(__shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, best_i, o));
-  if (threadIdx.x % 32 == 0) s_val[threadIdx.x / 32] = best, s_idx[threadIdx.x / 32] = best_i;
+  __device__ __forceinline__ void warp_merge() {
+    for (int o = 16; o > 0; o >>= 1) merge(__shfl_xor_sync(0xffffffffu, val, o), __shfl_xor_sync(0xffffffffu, idx, o));
+  }
+};
+
+__global__ void argmax_partial_kernel(const float* __restrict__ x, int64_t n, float* __restrict__ part_val,
+                                      int32_t* __restrict__ part_idx) {
+  pdl_enter();
+  __shared__ ArgmaxBest s_best[32];
+  const int64_t slice = (n + kArgmaxSplits - 1) / kArgmaxSplits;
+  const int64_t begin = blockIdx.y * slice, end = ::min(n, begin + slice);
+  const float* row = x + int64_t(blockIdx.x) * n;
+  ArgmaxBest best;
+#pragma unroll 8
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) best.merge(row[i], int32_t(i));
+  best.warp_merge();
+  if (threadIdx.x % 32 == 0) s_best[threadIdx.x / 32] = best;
   __syncthreads();
   if (threadIdx.x < 32) {
-    best = threadIdx.x < blockDim.x / 32 ? s_val[threadIdx.x] : -INFINITY;
-    best_i = threadIdx.x < blockDim.x / 32 ? s_idx[threadIdx.x] : INT32_MAX;
-    for (int o = 16; o > 0; o >>= 1) merge(__shfl_xor_sync(0xffffffffu, best, o), __shfl_xor_sync(0xffffffffu, best_i, o));
-    // All -inf (or NaN) rows: index 0, as std::max_element returns the first element.
-    if (threadIdx.x == 0) out[blockIdx.x] = best_i == INT32_MAX ? 0 : best_i;
+    best = threadIdx.x < blockDim.x / 32 ? s_best[threadIdx.x] : ArgmaxBest{};
+    best.warp_merge();
+    if (threadIdx.x == 0) {
+      part_val[blockIdx.x * kArgmaxSplits + blockIdx.y] = best.val;
+      part_idx[blockIdx.x * kArgmaxSplits + blockIdx.y] = best.idx;
+    }
   }
+}
+
+__global__ void argmax_final_kernel(const float* __restrict__ part_val, const int32_t* __restrict__ part_idx,
+                                    int32_t* __restrict__ out) {
+  pdl_enter();
+  ArgmaxBest best;
+  for (int s = threadIdx.x; s < kArgmaxSplits; s += 32)
+    best.merge(part_val[blockIdx.x * kArgmaxSplits + s], part_idx[blockIdx.x * kArgmaxSplits + s]);
+  best.warp_merge();
+  // All-NaN rows: index 0, as std::max_element returns the first element.
+  if (threadIdx.x == 0) out[blockIdx.x] = best.idx == INT32_MAX ? 0 : best.idx;
 }
 
 // kind: 0 = f32, 1 = bf16, 2 = u8 integers lo..hi, 3 = f16; values as the CPU backend's fill_random.

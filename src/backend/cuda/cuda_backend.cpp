@@ -518,7 +518,8 @@ class CudaBackend final : public Backend {
 
   void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
     OpProfiler::Scope scope(profiler_, "argmax");
-    cuda::argmax(x, rows, n, out);
+    Buffer scratch(*this, size_t(cuda::argmax_scratch_bytes(rows)));
+    cuda::argmax(x, rows, n, out, scratch.data());
     CUDA_CHECK_LAUNCH("argmax");
   }
 

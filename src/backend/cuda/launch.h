@@ -86,7 +86,9 @@ void attention(const float* q, const float* k, const float* v, float* out, int64
                const int32_t* positions, int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale);
 void silu_mul(const float* gate, const float* up, int64_t count, float* out);
 void add(const float* x, int64_t count, float* y);
-void argmax(const float* x, int64_t rows, int64_t n, int32_t* out);
+// Row-wise arg-max (lowest index on ties); scratch: argmax_scratch_bytes(rows) of device memory.
+int64_t argmax_scratch_bytes(int64_t rows);
+void argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch);
 void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k, bool normalize,
                int32_t* ids, float* weights);
 void gather_rows(const float* src, const int32_t* rows, int64_t n_rows, int64_t dim, float* dst);

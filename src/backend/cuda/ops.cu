@@ -373,8 +373,14 @@ void silu_mul(const float* gate, const float* up, int64_t count, float* out) {
   kernels::silu_mul_kernel<<<blocks_for(count, 256), 256>>>(gate, up, count, out);
 }
 
-void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) {
-  launch_pdl(kernels::argmax_kernel, unsigned(rows), 1024, x, n, out);
+int64_t argmax_scratch_bytes(int64_t rows) { return rows * kernels::kArgmaxSplits * 8; }
+
+void argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch) {
+  auto* part_val = static_cast<float*>(scratch);
+  auto* part_idx = reinterpret_cast<int32_t*>(part_val + rows * kernels::kArgmaxSplits);
+  launch_pdl(kernels::argmax_partial_kernel, dim3(unsigned(rows), kernels::kArgmaxSplits), 256, x, n, part_val,
+             part_idx);
+  launch_pdl(kernels::argmax_final_kernel, unsigned(rows), 32, part_val, part_idx, out);
 }
 
 void add(const float* x, int64_t count, float* y) {
