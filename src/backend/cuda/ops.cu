@@ -269,7 +269,7 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
 
 int64_t attention_split_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim) {
   const int64_t n_splits = (max_context + kernels::kAttentionSplit - 1) / kernels::kAttentionSplit;
-  return m * n_head * n_splits * (head_dim + 2);
+  return m * n_head * n_splits * kernels::decode_partial_stride(head_dim);  // >= the split kernel's head_dim + 2
 }
 
 void attention_split(const float* q, const float* k, const float* v, float* partial, float* out,
