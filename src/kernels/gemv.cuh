@@ -44,6 +44,22 @@ struct XRows {
     if constexpr (kNorm) return v * inv[mi] * norm[i];
     return v;
   }
+  // out[j] = (*this)(mi, i + j) for j < V (V % 4 == 0, i % 4 == 0) with 16-byte loads: a lane's
+  // scalar loads at a 32-byte lane stride touch 8x the sectors they use.
+  template <int V>
+  __device__ __forceinline__ void load(int mi, int64_t i, float (&out)[V]) const {
+#pragma unroll
+    for (int j = 0; j < V; j += 4) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (mi < m) v = *reinterpret_cast<const float4*>(x + mi * stride + i + j);
+      if constexpr (kNorm) {
+        const float4 w = *reinterpret_cast<const float4*>(norm + i + j);
+        const float s = mi < m ? inv[mi] : 0.f;
+        v = make_float4(v.x * s * w.x, v.y * s * w.y, v.z * s * w.z, v.w * s * w.w);
+      }
+      out[j] = v.x, out[j + 1] = v.y, out[j + 2] = v.z, out[j + 3] = v.w;
+    }
+  }
 };
 
 // 1 / sqrt(mean(x²) + eps) of each of the m rows (length k, k % 4 == 0), by the whole block: every
@@ -126,9 +142,7 @@ __device__ __forceinline__ void dense_rows_dot(const void* w, int64_t row0, int6
   for (int64_t k0 = V * lane; k0 < k; k0 += 32 * V) {
     float xv[M][V];
 #pragma unroll
-    for (int mi = 0; mi < M; ++mi)
-#pragma unroll
-      for (int i = 0; i < V; ++i) xv[mi][i] = xr(mi, k0 + i);
+    for (int mi = 0; mi < M; ++mi) xr.load(mi, k0, xv[mi]);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (row0 + r >= n) break;
