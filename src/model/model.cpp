@@ -30,12 +30,15 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
   const int64_t rows = all_logits ? T : 1;
   if (logits) logits->resize(size_t(rows * vocab));
 
+  // A decode step's work is sized by its context bucket (a power of two, at least 256), eager or
+  // recorded, so both run the same kernels with the same splits and give the same bits.
+  const int64_t bucket = std::min<int64_t>(kv.max_tokens(), std::max<int64_t>(256, std::bit_ceil(uint64_t(pos0 + 1))));
   if (T > 1 || !use_graphs_ || tracer_ || !backend_.supports_graphs()) {
     Buffer ids(backend_, size_t(T) * 4), pos(backend_, size_t(T) * 4);
     Buffer out(backend_, size_t(rows * vocab) * 4);
     backend_.copy_to_backend(ids.data(), tokens.data(), size_t(T) * 4);
     backend_.copy_to_backend(pos.data(), positions.data(), size_t(T) * 4);
-    compute({ids.data<int32_t>(), pos.data<int32_t>(), T, pos0 + T, all_logits, out.data()}, kv);
+    compute({ids.data<int32_t>(), pos.data<int32_t>(), T, T == 1 ? bucket : pos0 + T, all_logits, out.data()}, kv);
     if (greedy_id) {
       Buffer id(backend_, 4);
       backend_.argmax(out.data(), 1, vocab, id.data<int32_t>());
@@ -46,7 +49,7 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
     return;
   }
   // Decode: the inputs go to fixed buffers, and the step runs as the graph recorded for this
-  // cache and context bucket (a power of two, so a 16K context records ~8 graphs).
+  // cache and context bucket (so a 16K context records ~8 graphs).
   if (!decode_ids_.data()) {
     decode_ids_ = Buffer(backend_, 4);
     decode_positions_ = Buffer(backend_, 4);
@@ -55,7 +58,6 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
   }
   backend_.copy_to_backend(decode_ids_.data(), tokens.data(), 4);
   backend_.copy_to_backend(decode_positions_.data(), positions.data(), 4);
-  const int64_t bucket = std::min<int64_t>(kv.max_tokens(), std::max<int64_t>(256, std::bit_ceil(uint64_t(pos0 + 1))));
   const Step step{decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>(), 1, bucket, false,
                   decode_logits_.data()};
   // Greedy steps record the argmax too: their own graph.

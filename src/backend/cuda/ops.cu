@@ -267,8 +267,11 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
   });
 }
 
+// Sized for the decode kernel's splits at this context (kernels::decode_split), never larger than
+// attention_split's: enough for both.
 int64_t attention_split_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim) {
-  const int64_t n_splits = (max_context + kernels::kAttentionSplit - 1) / kernels::kAttentionSplit;
+  const int64_t split = kernels::decode_split(max_context);
+  const int64_t n_splits = (max_context + split - 1) / split;
   return m * n_head * n_splits * kernels::decode_partial_stride(head_dim);  // >= the split kernel's head_dim + 2
 }
 
@@ -308,11 +311,18 @@ bool attention_decode(const float* q, const float* k, const float* v, float* par
                       int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
   if (!attention_decode_supports(m, n_head, n_head_kv, head_dim)) return false;
   const int64_t group = n_head / n_head_kv;
-  const int64_t n_splits = (max_context + kernels::kDecodeSplit - 1) / kernels::kDecodeSplit;
+  const int split = kernels::decode_split(max_context);
+  const int64_t n_splits = (max_context + split - 1) / split;
   const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
   auto go = [&](auto G, auto HD) {
-    launch_pdl(kernels::attention_decode_kernel<G.value, HD.value>, grid, kernels::kDecodeThreads, q, k, v, partial,
-               out, counters, positions, max_context, n_head, n_head_kv, scale, n_splits);
+    auto launch = [&](auto SPLIT) {
+      launch_pdl(kernels::attention_decode_kernel<G.value, HD.value, SPLIT.value>, grid, kernels::kDecodeThreads, q, k,
+                 v, partial, out, counters, positions, max_context, n_head, n_head_kv, scale, n_splits);
+    };
+    if (split == kernels::kDecodeSplitLong)
+      launch(std::integral_constant<int, kernels::kDecodeSplitLong>{});
+    else
+      launch(std::integral_constant<int, kernels::kDecodeSplit>{});
   };
   auto with_g = [&](auto HD) {
     if (group == 1)
