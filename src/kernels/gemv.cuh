@@ -193,23 +193,27 @@ struct GemvIo {
   bool accumulate;
 };
 
-// y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b) for m <= M activation rows. PDL: the weight rows are
-// prefetched before waiting on the kernel that produced x.
+// y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b) for m <= M activation rows. PDL: the first weight rows
+// are prefetched before waiting on the kernel that produced x. Warps stride over the row groups
+// (the grid may be smaller than n / R rows): a 152K-row lm_head would otherwise be ~9,500 blocks,
+// each recomputing the norm of x behind two barriers.
 constexpr int kGemvThreads = 128;
 
 template <DenseType T, int M, int R, bool kNorm>
 __global__ void gemv_dense_kernel(const void* __restrict__ w, const float* __restrict__ bias,
                                   const float* __restrict__ x, float* __restrict__ y, int m, int64_t n,
                                   int64_t k, GemvIo io) {
-  const int64_t row0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
-  if (row0 < n) dense_rows_prefetch<T, R>(w, row0, n, k);
+  const int64_t first = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
+  const int64_t stride = int64_t(gridDim.x) * (blockDim.x / 32) * R;
+  if (first < n) dense_rows_prefetch<T, R>(w, first, n, k);
   pdl_enter();
   XRows<M, kNorm> xr{x, k, m, io.norm, {}};
   block_inv_rms(xr, k, io.eps);
-  if (row0 >= n) return;
-  float acc[R][M] = {};
-  dense_rows_dot<T, M, R>(w, row0, n, k, xr, acc);
-  store_rows<M, R>(acc, row0, n, m, bias, y, n, io.accumulate);
+  for (int64_t row0 = first; row0 < n; row0 += stride) {
+    float acc[R][M] = {};
+    dense_rows_dot<T, M, R>(w, row0, n, k, xr, acc);
+    store_rows<M, R>(acc, row0, n, m, bias, y, n, io.accumulate);
+  }
 }
 
 // Row-major INT4 codes [n][k/2] -> the interleaved layout above; one thread per output word.

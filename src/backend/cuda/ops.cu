@@ -112,14 +112,26 @@ void dispatch_norm(const GemvIo& io, Fn&& fn) {
 
 kernels::GemvIo to_kernel(const GemvIo& io) { return {io.norm, io.eps, io.accumulate}; }
 
+unsigned sm_count() {
+  static const unsigned count = [] {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0);
+    return unsigned(n > 0 ? n : 1);
+  }();
+  return count;
+}
+constexpr unsigned kDenseBlocksPerSm = 8;
+
 template <kernels::DenseType T>
 struct GemvDense {
   static void run(const void* w, const float* bias, const float* x, float* y, int64_t m, int64_t n, int64_t k,
                   const GemvIo& io) {
     dispatch_norm(io, [&](auto kNorm) {
       gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
-        launch_pdl(kernels::gemv_dense_kernel<T, M.value, R.value, kNorm.value>, grid, 32 * kGemvWarps, w, bias,
-                   x, y, int(m), n, k, to_kernel(io));
+        // At most kDenseBlocksPerSm blocks per SM; their warps stride over the rest of the rows.
+        launch_pdl(kernels::gemv_dense_kernel<T, M.value, R.value, kNorm.value>,
+                   std::min(grid, kDenseBlocksPerSm * sm_count()), 32 * kGemvWarps, w, bias, x, y, int(m), n, k,
+                   to_kernel(io));
       });
     });
   }
