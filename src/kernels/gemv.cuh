@@ -38,14 +38,9 @@ struct XRows {
   int m;
   const float* __restrict__ norm;  // kNorm only
   float inv[M];                    // kNorm only: 1 / rms of each row
-  __device__ __forceinline__ float operator()(int mi, int64_t i) const {
-    if (mi >= m) return 0.f;
-    const float v = x[mi * stride + i];
-    if constexpr (kNorm) return v * inv[mi] * norm[i];
-    return v;
-  }
-  // out[j] = (*this)(mi, i + j) for j < V (V % 4 == 0, i % 4 == 0) with 16-byte loads: a lane's
-  // scalar loads at a 32-byte lane stride touch 8x the sectors they use.
+  // out[j] = row mi's input i + j (normalised when kNorm; 0 past m) for j < V (V % 4 == 0,
+  // i % 4 == 0), with 16-byte loads: a lane's scalar loads at a 32-byte lane stride touch 8x the
+  // sectors they use.
   template <int V>
   __device__ __forceinline__ void load(int mi, int64_t i, float (&out)[V]) const {
 #pragma unroll

@@ -34,29 +34,17 @@ class FlashAttentionTest : public GpuCompareTest {
  protected:
   FlashAttentionTest() : GpuCompareTest(4321) {}
 
-  struct Shape {
-    int64_t n_head, n_head_kv, head_dim;
-  };
+  using Shape = AttentionShape;
   // positions: pos0 + t, or (shuffled) the same set in random order (the kernel must not rely on
   // ascending positions for correctness).
   void check(Shape s, int64_t m, int64_t pos0, bool shuffled = false) {
-    const int64_t ctx = pos0 + m, row = s.n_head_kv * s.head_dim;
-    auto q = random(m * s.n_head * s.head_dim), k = random(ctx * row), v = random(ctx * row);
-    const float scale = 1.f / std::sqrt(float(s.head_dim));
     std::vector<int32_t> positions(static_cast<size_t>(m));
     for (int64_t t = 0; t < m; ++t) positions[size_t(t)] = int32_t(pos0 + t);
     if (shuffled) std::shuffle(positions.begin(), positions.end(), rng_);
-    const int64_t max_context = ctx + 300;
-    std::vector<float> want(size_t(m * s.n_head * s.head_dim));
-    cpu_->attention(q.data(), k.data(), v.data(), m, positions.data(), max_context, s.n_head, s.n_head_kv,
-                    s.head_dim, scale, want.data());
-    float* out = poisoned_gpu(int64_t(want.size()));
-    gpu_->attention(on_gpu(q), on_gpu(k), on_gpu(v), m, on_gpu(positions), max_context, s.n_head, s.n_head_kv,
-                    s.head_dim, scale, out);
-    expect_close(to_host(out, int64_t(want.size())), want,
-                 fmt::format("flash attention {}/{}x{} m={} pos0={}{}", s.n_head, s.n_head_kv, s.head_dim, m,
-                             pos0, shuffled ? " shuffled" : ""),
-                 kFlashTolerance);
+    expect_attention_close(s, positions, pos0 + m, pos0 + m + 300,
+                           fmt::format("flash attention {}/{}x{} m={} pos0={}{}", s.n_head, s.n_head_kv,
+                                       s.head_dim, m, pos0, shuffled ? " shuffled" : ""),
+                           kFlashTolerance);
     release_buffers();
   }
 };

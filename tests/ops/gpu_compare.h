@@ -75,6 +75,26 @@ class GpuCompareTest : public ::testing::Test {
     ++cases_;
   }
 
+  // Backend::attention on both backends: random q [m, n_head, head_dim] and K/V caches of exactly
+  // ctx rows, query token t at positions[t] (m = positions.size()), the context bound max_context
+  // (a recorded decode step passes one above the real context); the outputs compared at `tolerance`.
+  struct AttentionShape {
+    int64_t n_head, n_head_kv, head_dim;
+  };
+  void expect_attention_close(AttentionShape s, const std::vector<int32_t>& positions, int64_t ctx,
+                              int64_t max_context, const std::string& what, double tolerance) {
+    const int64_t m = int64_t(positions.size()), row = s.n_head_kv * s.head_dim;
+    auto q = random(m * s.n_head * s.head_dim), k = random(ctx * row), v = random(ctx * row);
+    const float scale = 1.f / std::sqrt(float(s.head_dim));
+    std::vector<float> want(size_t(m * s.n_head * s.head_dim));
+    cpu_->attention(q.data(), k.data(), v.data(), m, positions.data(), max_context, s.n_head, s.n_head_kv,
+                    s.head_dim, scale, want.data());
+    float* out = poisoned_gpu(int64_t(want.size()));
+    gpu_->attention(on_gpu(q), on_gpu(k), on_gpu(v), m, on_gpu(positions), max_context, s.n_head, s.n_head_kv,
+                    s.head_dim, scale, out);
+    expect_close(to_host(out, int64_t(want.size())), want, what, tolerance);
+  }
+
   int cases_ = 0;
   std::mt19937 rng_;
   std::unique_ptr<Backend> gpu_, cpu_;
