@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/kv_pages.h"
 #include "core/hash_random.h"
 #include "model/weights.h"
 
@@ -62,7 +63,8 @@ class Backend {
                         float* out) = 0;
   // The attention prologue, fused: per-head RMSNorm of the queries and of the new keys (skipped
   // where the norm weight is null), the half-split (NeoX) RoPE of both at positions[t], and the
-  // write of keys and values into cache rows positions[t]. Token t's queries are read at
+  // write of keys and values (rounded to the cache's dtype) at sequence positions positions[t] of
+  // the paged cache `kv`. Token t's queries are read at
   // q_in + t·q_stride ([n_head, hd]) and written to q_out [m, n_head, hd] (q_out may be q_in when
   // q_stride is n_head·hd); its new keys and values at k_new/v_new + t·kv_stride ([n_head_kv, hd]).
   // The strides let q, k and v come from one fused projection. positions are in this backend's
@@ -72,17 +74,17 @@ class Backend {
                                      const WeightVector& q_norm, const WeightVector& k_norm, float eps,
                                      const RopeTable& rope, const int32_t* positions, int64_t m,
                                      int64_t n_head, int64_t n_head_kv, int64_t head_dim,
-                                     float* k_cache, float* v_cache) = 0;
+                                     const KvPages& kv) = 0;
   // One weight whose rows are those of `parts` in order (q, k and v as one projection), in this
   // backend's layout; nullopt where the backend gains nothing from it or the parts differ in
   // format. The parts' own memory is released by the caller dropping them.
   virtual std::optional<LinearWeight> concat_rows(const std::vector<const LinearWeight*>& parts) {
     return std::nullopt;
   }
-  // Causal attention of q[m, n_head, hd] over the cache k/v[ctx, n_head_kv, hd]: token t attends
-  // to cache rows 0..positions[t]; out[m, n_head, hd]. GQA: q head h reads kv head
+  // Causal attention of q[m, n_head, hd] over the paged cache `kv` (rows [n_head_kv, hd]): token t
+  // attends to sequence positions 0..positions[t]; out[m, n_head, hd]. GQA: q head h reads kv head
   // h / (n_head / n_head_kv). max_context bounds every positions[t] + 1 (it sizes the work).
-  virtual void attention(const float* q, const float* k_cache, const float* v_cache, int64_t m,
+  virtual void attention(const float* q, const KvPages& kv, int64_t m,
                          const int32_t* positions, int64_t max_context, int64_t n_head,
                          int64_t n_head_kv, int64_t head_dim, float scale, float* out) = 0;
   // out[i] = silu(gate[i]) * up[i]

@@ -19,7 +19,7 @@ namespace {
 
 struct BenchOptions {
   std::string model_dir, device = "cpu", load_format = "auto", quantization, json_path, prompts = "512",
-              depths = "0";
+              depths = "0", kv_cache_dtype = "auto";
   int64_t generate = 128;
   int repetitions = 3;
   bool enforce_eager = false, profile = false;
@@ -57,6 +57,7 @@ void bench(const BenchOptions& o) {
   load.load_format = o.load_format;
   load.quantization = o.quantization;
   load.enforce_eager = o.enforce_eager;
+  load.kv_cache_dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
   const auto t0 = std::chrono::steady_clock::now();
   auto model = load_model(o.model_dir, *backend, load);
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -70,8 +71,8 @@ void bench(const BenchOptions& o) {
              o.load_format == "dummy" ? ", dummy weights" + (o.quantization.empty() ? std::string() : " " + o.quantization)
                                       : std::string(),
              device);
-  fmt::print("weights read per decoded token {:.3f} GB; KV {:.1f} KB per context token; copy bandwidth "
-             "{:.2f} TB/s; roofline at depth 0 {:.0f} tok/s\n\n", weight_bytes / 1e9,
+  fmt::print("weights read per decoded token {:.3f} GB; KV cache {}, {:.1f} KB per context token; copy bandwidth "
+             "{:.2f} TB/s; roofline at depth 0 {:.0f} tok/s\n\n", weight_bytes / 1e9, dtype_name(model->kv_dtype()),
              double(model->kv_bytes_per_context_token()) / 1e3, bandwidth / 1e12, bandwidth / weight_bytes);
   fmt::print("| test | depth | tok/s | TTFT ms | GB/s | % roofline |\n|---|---:|---:|---:|---:|---:|\n");
   for (auto& r : results) {
@@ -95,7 +96,8 @@ void bench(const BenchOptions& o) {
     nlohmann::json j;
     j["meta"] = {{"nibble", NIBBLE_VERSION}, {"commit", git_commit()}, {"date", date}, {"device", device},
                  {"model", o.model_dir}, {"model_type", c.model_type}, {"load_format", o.load_format},
-                 {"quantization", o.quantization}, {"enforce_eager", o.enforce_eager}, {"load_seconds", load_s},
+                 {"quantization", o.quantization}, {"enforce_eager", o.enforce_eager},
+                 {"kv_cache_dtype", dtype_name(model->kv_dtype())}, {"load_seconds", load_s},
                  {"copy_bandwidth_bytes_per_s", bandwidth}, {"weight_bytes_per_token", weight_bytes},
                  {"kv_bytes_per_context_token", model->kv_bytes_per_context_token()},
                  {"repetitions", o.repetitions}, {"command", o.argv}};
@@ -128,6 +130,7 @@ void add_bench_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("-r,--repetitions", o->repetitions, "Repetitions (mean ± std)")->check(CLI::PositiveNumber);
   cmd->add_option("--json", o->json_path, "Also write the results as JSON to this file");
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
+  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16) or float32");
   cmd->add_flag("--profile", o->profile,
                 "After each decode test, trace 16 more steps on the device and print where a step's time goes");
   cmd->callback([o] { bench(*o); });

@@ -24,6 +24,7 @@ struct RunOptions {
   uint64_t seed = 0;
   std::vector<std::string> stop;
   bool json = false, ignore_eos = false, enforce_eager = false;
+  std::string kv_cache_dtype = "auto";
 };
 
 std::vector<int32_t> parse_ids(const std::string& text) {
@@ -52,6 +53,7 @@ void run(const RunOptions& o) {
   auto backend = make_backend(o.device);
   LoadOptions load;
   load.enforce_eager = o.enforce_eager;
+  load.kv_cache_dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
   auto model = load_model(o.model_dir, *backend, load);
   const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
   NIBBLE_CHECK(std::filesystem::exists(tok_path), "{}: missing (nibble run needs the model's "
@@ -134,6 +136,7 @@ void add_run_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--device", o->device, "cpu or cuda");
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
+  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16) or float32");
   cmd->callback([o] { run(*o); });
 }
 

@@ -1,12 +1,17 @@
-// Causal GQA attention over a contiguous f32 KV cache [ctx, n_head_kv, head_dim]. One warp per
-// (token, q head) streams its context with an online softmax (running max and sum), each lane
-// holding head_dim/32 output dimensions, so any context length works without scratch memory.
-// This is the exact first version; split-K flash-decoding replaces it for speed.
+// Decode attention over the paged KV cache (backend/kv_pages.h). Three kernels:
+//   attention_online_warp_kernel: any shape, f32 or f16 KV; one warp per (token, q head) streams
+//     its context with an online softmax. The exact fallback for shapes the others do not take.
+//   attention_decode_kernel: f32 KV, head_dim 64/128, GQA group <= 8, split-K on CUDA cores.
+//   attention_decode_tc_kernel: f16 KV (the default), head_dim 64/128, GQA group <= 16, split-K
+//     on the tensor cores.
+// The split-K kernels share the partial layout and the merge by the last split block.
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/kv_access.cuh"
 #include "kernels/linear.cuh"
+#include "kernels/mma.cuh"
 #include "kernels/pdl.cuh"
 
 namespace nibble::kernels {
@@ -27,10 +32,12 @@ __device__ __forceinline__ void online_softmax_step(float score, const float (&v
   running_max = new_max;
 }
 
-__global__ void attention_online_warp_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                             const float* __restrict__ v, float* __restrict__ out,
-                                             int64_t m, const int32_t* __restrict__ positions,
-                                             int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
+template <typename T>
+__global__ void attention_online_warp_kernel(const float* __restrict__ q, const T* __restrict__ k,
+                                             const T* __restrict__ v, const int32_t* __restrict__ block_table,
+                                             int block_size_log2, float* __restrict__ out, int64_t m,
+                                             const int32_t* __restrict__ positions, int64_t n_head,
+                                             int64_t n_head_kv, int64_t head_dim, float scale) {
   const int64_t pair = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (pair >= m * n_head) return;
@@ -47,17 +54,18 @@ __global__ void attention_online_warp_kernel(const float* __restrict__ q, const 
   float running_max = -INFINITY, running_sum = 0.f;
   const int64_t n_ctx = int64_t(positions[t]) + 1;
   for (int64_t pos = 0; pos < n_ctx; ++pos) {
-    const float* kp = k + (pos * n_head_kv + kv) * head_dim;
-    const float* vp = v + (pos * n_head_kv + kv) * head_dim;
+    const int64_t row = kv_pool_row(block_table, block_size_log2, pos);
+    const T* kp = k + (row * n_head_kv + kv) * head_dim;
+    const T* vp = v + (row * n_head_kv + kv) * head_dim;
     float dot = 0.f;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int64_t d = lane + 32 * j;
-      if (d < head_dim) dot += qv[j] * kp[d];
+      if (d < head_dim) dot += qv[j] * kv_load(kp + d);
     }
     float vr[kPerLane];
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) vr[j] = lane + 32 * j < head_dim ? vp[lane + 32 * j] : 0.f;
+    for (int j = 0; j < kPerLane; ++j) vr[j] = lane + 32 * j < head_dim ? kv_load(vp + lane + 32 * j) : 0.f;
     online_softmax_step(warp_sum(dot) * scale, vr, running_max, running_sum, acc);
   }
   float* oh = out + pair * head_dim;
@@ -68,213 +76,120 @@ __global__ void attention_online_warp_kernel(const float* __restrict__ q, const 
   }
 }
 
-// Split-K (flash-decoding) attention for short query blocks over long contexts. Stage 1: block
-// (token·head, split) covers context positions [split·kSplit, (split+1)·kSplit) of that token's
-// causal range; its warps take every 4th position with an online softmax, then merge in shared
-// memory and write the split's (max, sum, unnormalised output). Stage 2 merges the splits.
-constexpr int kAttentionSplit = 256;
-constexpr int kAttentionSplitWarps = 4;
-
-__global__ void attention_split_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                       const float* __restrict__ v, float* __restrict__ partial,
-                                       const int32_t* __restrict__ positions, int64_t n_head,
-                                       int64_t n_head_kv, int64_t head_dim, float scale, int64_t n_splits) {
-  pdl_enter();
-  constexpr int kPerLane = kAttentionMaxHeadDim / 32;
-  __shared__ float s_max[kAttentionSplitWarps], s_sum[kAttentionSplitWarps];
-  __shared__ float s_acc[kAttentionSplitWarps][kAttentionMaxHeadDim];
-  const int64_t pair = blockIdx.x, split = blockIdx.y;
-  const int64_t t = pair / n_head, h = pair % n_head, kv = h / (n_head / n_head_kv);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t n_ctx = int64_t(positions[t]) + 1;
-  const int64_t begin = split * kAttentionSplit, end = min(n_ctx, begin + kAttentionSplit);
-  const float* qh = q + pair * head_dim;
-  float qv[kPerLane], acc[kPerLane];
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    const int64_t d = lane + 32 * j;
-    qv[j] = d < head_dim ? qh[d] * scale : 0.f;
-    acc[j] = 0.f;
-  }
-  float running_max = -INFINITY, running_sum = 0.f;
-  for (int64_t pos = begin + warp; pos < end; pos += kAttentionSplitWarps) {
-    const float* kp = k + (pos * n_head_kv + kv) * head_dim;
-    const float* vp = v + (pos * n_head_kv + kv) * head_dim;
-    float dot = 0.f;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int64_t d = lane + 32 * j;
-      if (d < head_dim) dot += qv[j] * kp[d];
-    }
-    float vr[kPerLane];
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) vr[j] = lane + 32 * j < head_dim ? vp[lane + 32 * j] : 0.f;
-    online_softmax_step(warp_sum(dot), vr, running_max, running_sum, acc);
-  }
-  if (lane == 0) s_max[warp] = running_max, s_sum[warp] = running_sum;
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j)
-    if (lane + 32 * j < head_dim) s_acc[warp][lane + 32 * j] = acc[j];
-  __syncthreads();
-  float* out = partial + (pair * n_splits + split) * (head_dim + 2);
-  float block_max = -INFINITY;
-  for (int w = 0; w < kAttentionSplitWarps; ++w) block_max = fmaxf(block_max, s_max[w]);
-  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float o = 0.f;
-    for (int w = 0; w < kAttentionSplitWarps; ++w)
-      if (s_sum[w] > 0.f) o += s_acc[w][d] * expf(s_max[w] - block_max);
-    out[2 + d] = o;
-  }
-  if (threadIdx.x == 0) {
-    float sum = 0.f;
-    for (int w = 0; w < kAttentionSplitWarps; ++w)
-      if (s_sum[w] > 0.f) sum += s_sum[w] * expf(s_max[w] - block_max);
-    out[0] = block_max;
-    out[1] = sum;
-  }
-}
-
-// The same split-K attention with GQA sharing: block (token, kv head, split) computes all G q
-// heads that read this kv head, so each K and V row is loaded once for all of them instead of once
-// per q head. Lane l holds dims l + 32 j of every head's q and accumulator. Writes the same
-// partials as attention_split_kernel (one per q head and split).
-template <int G>
-__global__ void attention_split_gqa_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                           const float* __restrict__ v, float* __restrict__ partial,
-                                           const int32_t* __restrict__ positions, int64_t n_head,
-                                           int64_t n_head_kv, int64_t head_dim, float scale, int64_t n_splits) {
-  pdl_enter();
-  constexpr int kPerLane = kAttentionMaxHeadDim / 64;  // head_dim <= 128 here
-  __shared__ float s_max[kAttentionSplitWarps][G], s_sum[kAttentionSplitWarps][G];
-  __shared__ float s_acc[kAttentionSplitWarps][G][kAttentionMaxHeadDim / 2];
-  const int64_t t = blockIdx.x / n_head_kv, kv = blockIdx.x % n_head_kv, split = blockIdx.y;
-  const int64_t group = n_head / n_head_kv;  // q heads kv * group .. + group - 1
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t n_ctx = int64_t(positions[t]) + 1;
-  const int64_t begin = split * kAttentionSplit, end = min(n_ctx, begin + kAttentionSplit);
-  float qv[G][kPerLane], acc[G][kPerLane], running_max[G], running_sum[G];
-#pragma unroll
-  for (int h = 0; h < G; ++h) {
-    running_max[h] = -INFINITY;
-    running_sum[h] = 0.f;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int64_t d = lane + 32 * j;
-      qv[h][j] = h < group && d < head_dim ? q[((t * n_head) + kv * group + h) * head_dim + d] * scale : 0.f;
-      acc[h][j] = 0.f;
-    }
-  }
-  for (int64_t pos = begin + warp; pos < end; pos += kAttentionSplitWarps) {
-    const float* kp = k + (pos * n_head_kv + kv) * head_dim;
-    const float* vp = v + (pos * n_head_kv + kv) * head_dim;
-    float kr[kPerLane], vr[kPerLane];
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int64_t d = lane + 32 * j;
-      kr[j] = d < head_dim ? kp[d] : 0.f;
-      vr[j] = d < head_dim ? vp[d] : 0.f;
-    }
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-      float dot = 0.f;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) dot += qv[h][j] * kr[j];
-      online_softmax_step(warp_sum(dot), vr, running_max[h], running_sum[h], acc[h]);
-    }
-  }
-#pragma unroll
-  for (int h = 0; h < G; ++h) {
-    if (lane == 0) s_max[warp][h] = running_max[h], s_sum[warp][h] = running_sum[h];
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j)
-      if (lane + 32 * j < head_dim) s_acc[warp][h][lane + 32 * j] = acc[h][j];
-  }
-  __syncthreads();
-  for (int64_t h = 0; h < group && h < G; ++h) {
-    float* out = partial + (((t * n_head) + kv * group + h) * n_splits + split) * (head_dim + 2);
-    float block_max = -INFINITY;
-    for (int w = 0; w < kAttentionSplitWarps; ++w) block_max = fmaxf(block_max, s_max[w][h]);
-    for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-      float o = 0.f;
-      for (int w = 0; w < kAttentionSplitWarps; ++w)
-        if (s_sum[w][h] > 0.f) o += s_acc[w][h][d] * expf(s_max[w][h] - block_max);
-      out[2 + d] = o;
-    }
-    if (threadIdx.x == 0) {
-      float sum = 0.f;
-      for (int w = 0; w < kAttentionSplitWarps; ++w)
-        if (s_sum[w][h] > 0.f) sum += s_sum[w][h] * expf(s_max[w][h] - block_max);
-      out[0] = block_max;
-      out[1] = sum;
-    }
-  }
-}
-
-__global__ void attention_merge_kernel(const float* __restrict__ partial, float* __restrict__ out,
-                                       int64_t m_heads, int64_t head_dim, int64_t n_splits) {
-  pdl_enter();
-  const int64_t pair = blockIdx.x;
-  const float* p = partial + pair * n_splits * (head_dim + 2);
-  float global_max = -INFINITY;
-  for (int64_t s = 0; s < n_splits; ++s)
-    if (p[s * (head_dim + 2) + 1] > 0.f) global_max = fmaxf(global_max, p[s * (head_dim + 2)]);
-  float sum = 0.f;
-  for (int64_t s = 0; s < n_splits; ++s) {
-    const float* ps = p + s * (head_dim + 2);
-    if (ps[1] > 0.f) sum += ps[1] * expf(ps[0] - global_max);
-  }
-  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float o = 0.f;
-    for (int64_t s = 0; s < n_splits; ++s) {
-      const float* ps = p + s * (head_dim + 2);
-      if (ps[1] > 0.f) o += ps[2 + d] * expf(ps[0] - global_max);
-    }
-    out[pair * head_dim + d] = o / sum;
-  }
-}
-
 }  // namespace nibble::kernels
 
 namespace nibble::kernels {
 
-// Decode attention (few query tokens, any context) for GQA groups of G <= 8 q heads and head_dim
-// HD (64 or 128), f32 KV. Block (token, kv head, split of SPLIT positions), 256 threads:
+// Split-K decode partials: per (token, q head, split) (max, sum, 2 unused) then the unnormalised
+// HD-vector, 16-byte aligned; max in natural-log units of the scaled scores.
+__host__ __device__ constexpr int64_t decode_partial_stride(int64_t head_dim) { return head_dim + 4; }
+
+// The merge of a (token, kv head)'s split partials, run by the last of its split blocks to finish
+// (a counter per pair, reset here), so there is no merge launch: per head the global max and
+// softmax sum over the splits (lanes stride the splits), then each thread one float4 of the
+// output summing the splits' partial vectors with their weights (independent 16-byte loads; a loop
+// of dependent loads per split and dimension cost ~60 µs per layer at 32 splits). `weights` is
+// shared scratch of G · kChunk floats, s_max / s_scale of G. Called by every thread of the block.
+template <int G, int HD, int kThreads, int kChunk>
+__device__ void decode_merge_last_split(const float* __restrict__ partial, float* __restrict__ out,
+                                        unsigned* __restrict__ counters, int64_t t, int64_t kv, int64_t group,
+                                        int64_t n_head, int64_t n_splits, float* weights, float* s_max,
+                                        float* s_scale) {
+  __shared__ bool last;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(n_splits) - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int h = warp; h < G && h < group; h += kThreads / 32) {
+    const float* p = partial + ((t * n_head + kv * group + h) * n_splits) * decode_partial_stride(HD);
+    float mx = -INFINITY;
+    for (int64_t s = lane; s < n_splits; s += 32) {
+      const float* ps = p + s * decode_partial_stride(HD);
+      if (__ldcg(ps + 1) > 0.f) mx = fmaxf(mx, __ldcg(ps));
+    }
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    for (int64_t s = lane; s < n_splits; s += 32) {
+      const float* ps = p + s * decode_partial_stride(HD);
+      const float l = __ldcg(ps + 1);
+      if (l > 0.f) sum += l * expf(__ldcg(ps) - mx);
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) s_max[h] = mx, s_scale[h] = 1.f / sum;
+  }
+  __syncthreads();
+  for (int64_t s0 = 0; s0 < n_splits; s0 += kChunk) {  // weights of up to kChunk splits at a time
+    const int64_t chunk = ::min(int64_t(kChunk), n_splits - s0);
+    for (int i = tid; i < G * chunk; i += kThreads) {
+      const int h = int(i / chunk);
+      const int64_t s = s0 + i % chunk;
+      if (h >= group) continue;
+      const float* ps = partial + ((t * n_head + kv * group + h) * n_splits + s) * decode_partial_stride(HD);
+      weights[h * kChunk + (s - s0)] = __ldcg(ps + 1) > 0.f ? expf(__ldcg(ps) - s_max[h]) * s_scale[h] : 0.f;
+    }
+    __syncthreads();
+    for (int i = tid; i < G * HD / 4; i += kThreads) {
+      const int h = i / (HD / 4), d4 = i % (HD / 4);
+      if (h >= group) continue;
+      const float* p = partial + ((t * n_head + kv * group + h) * n_splits + s0) * decode_partial_stride(HD) + 4;
+      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+      for (int64_t s = 0; s < chunk; ++s) {
+        const float w = weights[h * kChunk + s];
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(p + s * decode_partial_stride(HD)) + d4);
+        o.x += w * v.x, o.y += w * v.y, o.z += w * v.z, o.w += w * v.w;
+      }
+      float4* dst = reinterpret_cast<float4*>(out + (t * n_head + kv * group + h) * HD) + d4;
+      if (s0 == 0) {
+        *dst = o;
+      } else {
+        const float4 prev = *dst;
+        *dst = make_float4(prev.x + o.x, prev.y + o.y, prev.z + o.z, prev.w + o.w);
+      }
+    }
+    __syncthreads();
+  }
+  if (tid == 0) counters[blockIdx.x] = 0;
+}
+
+// Decode attention on CUDA cores for f32 KV, GQA groups of G <= 8 q heads and head_dim HD (64 or
+// 128). Block (token, kv head, split of SPLIT positions), 256 threads:
 //   1. scores: thread i owns position begin + i and computes its dot product with all G queries
 //      (q staged in shared memory), so no per-position warp reduction sits on the critical path;
 //   2. softmax: warp h takes head h's scores (max, exp, sum) in shared memory;
 //   3. output: each thread owns 4 dims and a stride of positions, accumulating all G heads, then
 //      the position groups are summed in shared memory.
-// Splits write (max, sum, unnormalised output) partials; the last block of a (token, kv head) to
-// finish (a counter per pair, reset by that block) merges them, so there is no merge launch. With
-// one split the output is written directly. K/V rows of earlier steps cannot change, so they are
-// prefetched into L2 before pdl_wait.
+// With one split the output is written directly, else partials merged by the last split block.
+// K/V rows of earlier steps cannot change, so they are prefetched into L2 before pdl_wait.
 // Positions per split: 256, and 128 for long contexts (kDecodeLongContext and up), where twice the
 // blocks keep more loads in flight (tg128 at depth 8192: 216 -> 225 tok/s) while at short
 // contexts the extra merge costs more (336 -> 316 at depth 0).
 constexpr int kDecodeSplit = 256, kDecodeSplitLong = 128;
 constexpr int64_t kDecodeLongContext = 4096;
 constexpr int kDecodeThreads = 256;
-static_assert(kDecodeSplit == kAttentionSplit && kDecodeSplit <= kDecodeThreads,
-              "a thread per position; the partials are sized for the smaller splits (attention_split_floats)");
+static_assert(kDecodeSplit <= kDecodeThreads, "a thread per position");
 __host__ __device__ constexpr int decode_split(int64_t max_context) {
   return max_context >= kDecodeLongContext ? kDecodeSplitLong : kDecodeSplit;
 }
-// Floats per split partial of one head: (max, sum, 2 unused) then the HD-vector, 16-byte aligned.
-__host__ __device__ constexpr int64_t decode_partial_stride(int64_t head_dim) { return head_dim + 4; }
 
 template <int G, int HD, int SPLIT>
 __global__ void __launch_bounds__(kDecodeThreads)
 attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                        const int32_t* __restrict__ block_table, int block_size_log2,
                         float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
-                        const int32_t* __restrict__ positions, int64_t max_context, int64_t n_head,
-                        int64_t n_head_kv, float scale, int64_t n_splits) {
+                        const int32_t* __restrict__ positions, int64_t n_head, int64_t n_head_kv, float scale,
+                        int64_t n_splits) {
   constexpr int kQuads = HD / 4;                       // float4 columns of a row
   constexpr int kGroups = kDecodeThreads / kQuads;     // position groups in stage 3
   __shared__ __align__(16) float qs[G][HD];
   __shared__ float sc[G][SPLIT];
   __shared__ __align__(16) float red[kGroups][G][HD];  // stage 3 partial sums
   __shared__ float s_max[G], s_sum[G];
-  __shared__ bool last;
   const int64_t t = blockIdx.x / n_head_kv, kv = blockIdx.x % n_head_kv, split = blockIdx.y;
   const int64_t group = n_head / n_head_kv;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -282,14 +197,15 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
   const float* kbase = k + kv * HD;
   const float* vbase = v + kv * HD;
   const int64_t begin = split * SPLIT;
+  auto row_of = [&](int64_t pos) { return kv_pool_row(block_table, block_size_log2, pos) * row_stride; };
   // Prefetch this split's K/V rows before the wait: rows before the token's own were written by
-  // earlier steps. positions are the step's inputs, copied from the host before the step, never a
-  // kernel's output, so reading them here keeps the PDL rule.
+  // earlier steps. positions and the block table are the step's inputs, copied from the host
+  // before the step, never a kernel's output, so reading them here keeps the PDL rule.
   constexpr int kLines = HD * 4 / 128;  // 128-byte lines per row
   const int64_t prefetch_rows = ::max(int64_t(0), ::min(int64_t(SPLIT), int64_t(positions[t]) - begin));
   for (int64_t i = tid; i < 2 * prefetch_rows * kLines; i += kDecodeThreads) {
     const int64_t line = i % (prefetch_rows * kLines), pos = begin + line / kLines;
-    prefetch_l2((i < prefetch_rows * kLines ? kbase : vbase) + pos * row_stride + (line % kLines) * 32);
+    prefetch_l2((i < prefetch_rows * kLines ? kbase : vbase) + row_of(pos) + (line % kLines) * 32);
   }
   pdl_enter();
   const int64_t n_ctx = int64_t(positions[t]) + 1;
@@ -302,7 +218,7 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
   __syncthreads();
   // 1. Scores.
   if (tid < count) {
-    const float4* kr = reinterpret_cast<const float4*>(kbase + (begin + tid) * row_stride);
+    const float4* kr = reinterpret_cast<const float4*>(kbase + row_of(begin + tid));
     float s[G] = {};
 #pragma unroll 8
     for (int c = 0; c < kQuads; ++c) {
@@ -340,7 +256,7 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
     for (int h = 0; h < G; ++h) acc[h] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
     for (int i = g; i < count; i += kGroups) {
-      const float4 v4 = reinterpret_cast<const float4*>(vbase + (begin + i) * row_stride)[quad];
+      const float4 v4 = reinterpret_cast<const float4*>(vbase + row_of(begin + i))[quad];
 #pragma unroll
       for (int h = 0; h < G; ++h) {
         const float p = sc[h][i];
@@ -368,70 +284,217 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
     }
   }
   if (n_splits == 1) return;
-  // The last split block of this (token, kv head) merges all splits.
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(n_splits) - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  // Merge: per head the global max and softmax sum over the splits (lanes stride the splits),
-  // then each thread one float4 of the output (G · HD / 4 = 256 for G = 8, HD = 128) summing the
-  // splits' partial vectors with their weights: independent 16-byte loads, batched by the unroll
-  // (a loop of dependent loads per split and dimension cost ~60 µs per layer at 32 splits).
   __shared__ float s_scale[G];
-  for (int h = warp; h < G && h < group; h += kDecodeThreads / 32) {
-    const float* p = partial + ((t * n_head + kv * group + h) * n_splits) * decode_partial_stride(HD);
-    float mx = -INFINITY;
-    for (int64_t s = lane; s < n_splits; s += 32) {
-      const float* ps = p + s * decode_partial_stride(HD);
-      if (__ldcg(ps + 1) > 0.f) mx = fmaxf(mx, __ldcg(ps));
+  decode_merge_last_split<G, HD, kDecodeThreads, SPLIT>(partial, out, counters, t, kv, group, n_head, n_splits,
+                                                        &sc[0][0], s_max, s_scale);
+}
+
+// Decode attention on the tensor cores for f16 KV: GQA groups of up to 16 q heads as the 16 rows
+// of mma.m16n8k16 (Qwen3-30B-A3B: 8 of 16 used), head_dim HD 64 or 128. Block (token, kv head,
+// split of SPLIT positions), WARPS warps; each warp takes tiles of 16 positions (every WARPS-th
+// tile of the split), FlashAttention-2 style with an online softmax in registers:
+//   S = Q·Kᵀ: Q the A operand (f16 fragments in registers, scaled by scale·log2 e), K the B
+//     operand loaded straight from global memory into registers. The head dimension's order in a
+//     dot product is free, so thread quad t4 takes 8 contiguous dims (one 16-byte load) per 32
+//     as its k indices of two k-steps, and Q's fragments use the same order. n-tile j column n
+//     is position 4(n / 2) + 2j + n % 2 of the tile, which leaves each thread the 4 contiguous
+//     positions 4·t4 .. 4·t4 + 3 of P.
+//   O += P·V: P from the S accumulators (the C fragments of n-tiles 0 and 1 are the A fragment of
+//     the 16-position k-step), V the B operand, also straight from global: thread group g takes
+//     the HD / 8 contiguous dims HD / 8 · g .. of its 4 positions (16-byte loads) and output
+//     n-tile nt column n is dim HD / 8 · n + nt; a byte permute pairs two positions' halves.
+// No shared memory in the loop and no __syncthreads; the warps' (max, sum, O) are merged through
+// shared memory at the end, then the split partial or, with one split, the output is written.
+// WARPS (4 or 8) and ROWS (16, or 8 where the group fits: half the shared memory of the warp
+// merge) are template parameters for tuning.
+constexpr int kDecodeTcTile = 16, kDecodeTcRows = 16;
+constexpr int kDecodeTcMinSplit = 64;  // 4 warps x one tile
+constexpr int kDecodeTcMergeChunk = 64;
+
+template <int HD, int SPLIT, int WARPS, int ROWS>
+__global__ void __launch_bounds__(32 * WARPS)
+attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict__ k, const __half* __restrict__ v,
+                           const int32_t* __restrict__ block_table, int block_size_log2,
+                           float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
+                           const int32_t* __restrict__ positions, int64_t n_head, int64_t n_head_kv,
+                           float scale_log2, int64_t n_splits) {
+  static_assert(HD == 64 || HD == 128);
+  static_assert(SPLIT % (WARPS * kDecodeTcTile) == 0 && (ROWS == 8 || ROWS == 16));
+  constexpr int kDecodeTcWarps = WARPS;
+  constexpr int kThreads = 32 * kDecodeTcWarps;
+  constexpr int kChunks = HD / 32;         // 16-byte K units per row and thread
+  constexpr int kDimsPerGroup = HD / 8;    // V dims per thread group g (= output n-tiles)
+  constexpr int kVUnits = kDimsPerGroup / 8;
+  constexpr float kInf = __builtin_huge_valf();
+  __shared__ float s_m[kDecodeTcWarps][ROWS], s_l[kDecodeTcWarps][ROWS];
+  __shared__ __align__(16) float s_o[kDecodeTcWarps][ROWS][HD];
+  __shared__ float s_max[ROWS], s_sum[ROWS];
+  const int64_t t = blockIdx.x / n_head_kv, kv = blockIdx.x % n_head_kv, split = blockIdx.y;
+  const int group = int(n_head / n_head_kv);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int64_t row_stride = n_head_kv * HD;
+  const __half* kbase = k + kv * HD;
+  const __half* vbase = v + kv * HD;
+  const int64_t begin = split * SPLIT;
+  auto row_of = [&](int64_t pos) { return kv_pool_row(block_table, block_size_log2, pos) * row_stride; };
+  {  // L2 prefetch of the rows earlier steps wrote (see attention_decode_kernel)
+    constexpr int kLines = HD * 2 / 128;
+    const int64_t rows = ::max(int64_t(0), ::min(int64_t(SPLIT), int64_t(positions[t]) - begin));
+    for (int64_t i = tid; i < 2 * rows * kLines; i += kThreads) {
+      const int64_t line = i % (rows * kLines), pos = begin + line / kLines;
+      prefetch_l2((i < rows * kLines ? kbase : vbase) + row_of(pos) + (line % kLines) * 64);
     }
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float sum = 0.f;
-    for (int64_t s = lane; s < n_splits; s += 32) {
-      const float* ps = p + s * decode_partial_stride(HD);
-      const float l = __ldcg(ps + 1);
-      if (l > 0.f) sum += l * expf(__ldcg(ps) - mx);
+  }
+  pdl_enter();
+  const int64_t n_ctx = int64_t(positions[t]) + 1;
+  const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT));
+
+  // Q fragments: row r = head g + 8·(r % 2); k-step 2c + e holds dims 32c + 8·t4 + 4e + {0, 1}
+  // (registers 0, 1) and + {2, 3} (registers 2, 3).
+  uint32_t qf[HD / 16][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int h = g + 8 * r;
+    const float* qh = h < group && h < ROWS ? q + ((t * n_head) + kv * group + h) * HD : nullptr;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+      if (qh) {
+        a = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * t4);
+        b = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * t4 + 4);
+      }
+      qf[2 * c][r] = pack_f16x2(a.x * scale_log2, a.y * scale_log2);
+      qf[2 * c][2 + r] = pack_f16x2(a.z * scale_log2, a.w * scale_log2);
+      qf[2 * c + 1][r] = pack_f16x2(b.x * scale_log2, b.y * scale_log2);
+      qf[2 * c + 1][2 + r] = pack_f16x2(b.z * scale_log2, b.w * scale_log2);
     }
-    sum = warp_sum(sum);
-    if (lane == 0) s_max[h] = mx, s_scale[h] = 1.f / sum;
+  }
+
+  float o[kDimsPerGroup][4];
+#pragma unroll
+  for (int d = 0; d < kDimsPerGroup; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float row_m[2] = {-kInf, -kInf}, row_l[2] = {0.f, 0.f};
+
+  for (int64_t p0 = begin + warp * kDecodeTcTile; p0 < end; p0 += kDecodeTcWarps * kDecodeTcTile) {
+    // Loads first (K: 2 rows x kChunks units, V: 4 rows x kVUnits), zeros past the end so that
+    // masked positions contribute 0 · 0 (never 0 · NaN from memory no step wrote).
+    uint4 kr[2][kChunks], vr[4][kVUnits];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int64_t pos = p0 + 4 * (g / 2) + 2 * j + g % 2;
+      const __half* src = pos < end ? kbase + row_of(pos) + 8 * t4 : nullptr;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        kr[j][c] = src ? *reinterpret_cast<const uint4*>(src + 32 * c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t pos = p0 + 4 * t4 + i;
+      const __half* src = pos < end ? vbase + row_of(pos) + kDimsPerGroup * g : nullptr;
+#pragma unroll
+      for (int u = 0; u < kVUnits; ++u)
+        vr[i][u] = src ? *reinterpret_cast<const uint4*>(src + 8 * u) : make_uint4(0, 0, 0, 0);
+    }
+    // S (log2 units): s[j] = rows g, g + 8 x positions 4·t4 + 2j + {0, 1}.
+    float s[2][4] = {};
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        mma_f16(s[j], qf[2 * c], kr[j][c].x, kr[j][c].y);
+        mma_f16(s[j], qf[2 * c + 1], kr[j][c].z, kr[j][c].w);
+      }
+    float mx[2] = {-kInf, -kInf};
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float x = p0 + 4 * t4 + 2 * j + c % 2 < end ? s[j][c] : -kInf;
+        s[j][c] = x;
+        mx[c / 2] = fmaxf(mx[c / 2], x);
+      }
+    float base[2], alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(row_m[r], quad_max(mx[r]));
+      base[r] = m_new == -kInf ? 0.f : m_new;
+      alpha[r] = exp2f(row_m[r] - base[r]);
+      row_m[r] = m_new;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[j][c] = exp2f(s[j][c] - base[c / 2]);
+        sum[c / 2] += s[j][c];
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_l[r] = row_l[r] * alpha[r] + sum[r];
+#pragma unroll
+    for (int d = 0; d < kDimsPerGroup; ++d) {
+      o[d][0] *= alpha[0];
+      o[d][1] *= alpha[0];
+      o[d][2] *= alpha[1];
+      o[d][3] *= alpha[1];
+    }
+    const uint32_t a[4] = {pack_f16x2(s[0][0], s[0][1]), pack_f16x2(s[0][2], s[0][3]), pack_f16x2(s[1][0], s[1][1]),
+                           pack_f16x2(s[1][2], s[1][3])};
+#pragma unroll
+    for (int nt = 0; nt < kDimsPerGroup; ++nt) {
+      const int u = nt / 8, w = nt % 8 / 2;
+      const uint32_t sel = nt % 2 ? 0x7632u : 0x5410u;  // high or low halves of two words
+      auto word = [&](int i) { return reinterpret_cast<const uint32_t*>(&vr[i][u])[w]; };
+      mma_f16(o[nt], a, __byte_perm(word(0), word(1), sel), __byte_perm(word(2), word(3), sel));
+    }
+  }
+
+  // Merge the warps: (max, sum) per row, O rows; row r of this thread is head g + 8r.
+#pragma unroll
+  for (int r = 0; r < ROWS / 8; ++r) {
+    const float l = quad_sum(row_l[r]);
+    if (t4 == 0) s_m[warp][g + 8 * r] = row_m[r], s_l[warp][g + 8 * r] = l;
+#pragma unroll
+    for (int nt = 0; nt < kDimsPerGroup; ++nt) {
+      s_o[warp][g + 8 * r][kDimsPerGroup * (2 * t4) + nt] = o[nt][2 * r];
+      s_o[warp][g + 8 * r][kDimsPerGroup * (2 * t4 + 1) + nt] = o[nt][2 * r + 1];
+    }
   }
   __syncthreads();
-  for (int64_t s0 = 0; s0 < n_splits; s0 += SPLIT) {  // weights of up to SPLIT splits in sc
-    const int64_t chunk = ::min(int64_t(SPLIT), n_splits - s0);
-    for (int i = tid; i < G * chunk; i += kDecodeThreads) {
-      const int h = int(i / chunk);
-      const int64_t s = s0 + i % chunk;
-      if (h >= group) continue;
-      const float* ps = partial + ((t * n_head + kv * group + h) * n_splits + s) * decode_partial_stride(HD);
-      sc[h][s - s0] = __ldcg(ps + 1) > 0.f ? expf(__ldcg(ps) - s_max[h]) * s_scale[h] : 0.f;
-    }
-    __syncthreads();
-    for (int i = tid; i < G * HD / 4; i += kDecodeThreads) {
-      const int h = i / (HD / 4), d4 = i % (HD / 4);
-      if (h >= group) continue;
-      const float* p = partial + ((t * n_head + kv * group + h) * n_splits + s0) * decode_partial_stride(HD) + 4;
-      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-      for (int64_t s = 0; s < chunk; ++s) {
-        const float w = sc[h][s];
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(p + s * decode_partial_stride(HD)) + d4);
-        o.x += w * v.x, o.y += w * v.y, o.z += w * v.z, o.w += w * v.w;
-      }
-      float4* dst = reinterpret_cast<float4*>(out + (t * n_head + kv * group + h) * HD) + d4;
-      if (s0 == 0) {
-        *dst = o;
-      } else {
-        const float4 prev = *dst;
-        *dst = make_float4(prev.x + o.x, prev.y + o.y, prev.z + o.z, prev.w + o.w);
-      }
-    }
-    __syncthreads();
+  if (tid < ROWS) {
+    float mx = -kInf;
+#pragma unroll
+    for (int w = 0; w < kDecodeTcWarps; ++w) mx = fmaxf(mx, s_m[w][tid]);
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeTcWarps; ++w)
+      if (s_m[w][tid] != -kInf) l += s_l[w][tid] * exp2f(s_m[w][tid] - mx);
+    s_max[tid] = mx;
+    s_sum[tid] = l;
   }
-  if (tid == 0) counters[blockIdx.x] = 0;
+  __syncthreads();
+  const int rows = ::min(group, ROWS);
+  for (int i = tid; i < rows * HD; i += kThreads) {
+    const int h = i / HD, d = i % HD;
+    const float mx = s_max[h];
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeTcWarps; ++w)
+      if (s_m[w][h] != -kInf) acc += s_o[w][h][d] * exp2f(s_m[w][h] - mx);
+    const int64_t head = t * n_head + kv * group + h;
+    if (n_splits == 1) {
+      out[head * HD + d] = acc / s_sum[h];
+    } else {
+      float* p = partial + (head * n_splits + split) * decode_partial_stride(HD);
+      p[4 + d] = acc;
+      // The merge works in natural-log units (as attention_decode_kernel's partials).
+      if (d == 0) p[0] = mx * 0.6931471805599453f, p[1] = s_sum[h];
+    }
+  }
+  if (n_splits == 1) return;
+  __syncthreads();  // s_max is rewritten by the merge
+  __shared__ float s_scale[ROWS];
+  decode_merge_last_split<ROWS, HD, kThreads, kDecodeTcMergeChunk>(
+      partial, out, counters, t, kv, group, n_head, n_splits, &s_o[0][0][0], s_max, s_scale);
 }
 
 }  // namespace nibble::kernels

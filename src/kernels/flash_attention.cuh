@@ -1,7 +1,8 @@
 // Causal prefill attention on the tensor cores, FlashAttention-2 style (launcher:
 // backend/cuda/flash_attention.cu). Semantics of CpuBackend::attention: q [m, n_head, HD] f32,
-// K/V cache [ctx, n_head_kv, HD] f32 (row = position), token t attends cache rows 0..positions[t],
-// q head h reads kv head h / group, out [m, n_head, HD] f32.
+// the paged K/V cache (backend/kv_pages.h, rows [n_head_kv, HD] of T = f32 or f16), token t
+// attends sequence positions 0..positions[t], q head h reads kv head h / group, out [m, n_head,
+// HD] f32.
 //
 // Block = 8 warps = 128 mma rows that all read one kv head: row r is (token r / group, q head
 // r % group of the kv head's group), tokens blockIdx.x · (128 / group) onwards. Packing the GQA
@@ -12,9 +13,9 @@
 // HD = 128), Q stays in registers as f16 A fragments (HD / 4 = 32 registers).
 //
 // Loop over K/V tiles up to the block's causal limit (max position of its rows + 1, computed on
-// the device; positions need not be ascending for correctness). K/V are f32 in memory and the mma
-// takes f16, so they cannot be cp.async'd: each thread loads its share of tile i + 1 into
-// registers (float4s, in flight while tile i is computed) and stores it converted to f16 into the
+// the device; positions need not be ascending for correctness). Each thread loads its share of
+// tile i + 1 into registers (4 elements per load, in flight while tile i is computed: f32 K/V
+// must be converted for the mma anyway) and stores it as f16 into the
 // other of two shared stages (2 x (K + V) x 32 x HD x 2 B = 32 KB for HD = 128: no opt-in, one
 // __syncthreads per tile; the stage written at tile i + 1 was last read at tile i - 1, before the
 // barrier of tile i). A warp whose rows are all before the tile skips its math (causal
@@ -34,6 +35,7 @@
 
 #include <cstdint>
 
+#include "kernels/kv_access.cuh"
 #include "kernels/mma.cuh"
 
 namespace nibble::kernels {
@@ -51,7 +53,7 @@ struct FlashTile {
   static constexpr int kTileBytes = kFlashBN * HD * 2;        // one f16 K (or V) tile
   static constexpr int kStageBytes = 2 * kTileBytes;          // K then V
   static constexpr int kSmemBytes = 2 * kStageBytes + 64;     // two stages + the warps' maxima
-  static constexpr int kLoads = kFlashBN * HD / 4 / kFlashThreads;  // float4s of K (and of V) per thread
+  static constexpr int kLoads = kFlashBN * HD / 4 / kFlashThreads;  // 4-element loads of K (and of V) per thread
   static_assert(kLoads * 4 * kFlashThreads == kFlashBN * HD);
 };
 
@@ -60,27 +62,19 @@ __device__ __forceinline__ uint32_t flash_offset(int row, int unit, int units) {
   return uint32_t((row * units + (unit ^ (row & 7))) * 16);
 }
 
-__device__ __forceinline__ float flash_quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float flash_quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
 // grid (ceil(m / (kFlashRows / group)), n_head_kv), kFlashThreads threads, FlashTile<HD>::kSmemBytes
 // of dynamic shared memory. q, k, v 16-byte aligned (float4 / float2 accesses).
-template <int HD>
+template <int HD, typename T>
 __global__ void __launch_bounds__(kFlashThreads, 1)
-    flash_attention_prefill_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                   const float* __restrict__ v, float* __restrict__ out,
+    flash_attention_prefill_kernel(const float* __restrict__ q, const T* __restrict__ k,
+                                   const T* __restrict__ v, const int32_t* __restrict__ block_table,
+                                   int block_size_log2, float* __restrict__ out,
                                    const int32_t* __restrict__ positions, int m, int n_head, int n_head_kv,
                                    int group, float scale_log2) {
-  using T = FlashTile<HD>;
+  using Tile = FlashTile<HD>;
   constexpr float kInf = __builtin_huge_valf();
   uint8_t* smem = dynamic_smem();
-  int* warp_max = reinterpret_cast<int*>(smem + 2 * T::kStageBytes);
+  int* warp_max = reinterpret_cast<int*>(smem + 2 * Tile::kStageBytes);
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t4 = lane % 4;
   const int tokens = kFlashRows / group;
   const int kv = int(blockIdx.y);
@@ -124,31 +118,38 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
   const int n_ctx = block_max + 1;  // cache rows the block reads; later rows are zero-filled
   const int n_tiles = (n_ctx + kFlashBN - 1) / kFlashBN;
 
-  float4 pre_k[T::kLoads], pre_v[T::kLoads];
+  // Four consecutive elements of a row per load, kept as f16 (f32 rows converted on arrival).
+  uint2 pre_k[Tile::kLoads], pre_v[Tile::kLoads];
+  auto load4 = [](const T* p) {
+    if constexpr (sizeof(T) == 2) {
+      return *reinterpret_cast<const uint2*>(p);
+    } else {
+      const float4 x = *reinterpret_cast<const float4*>(p);
+      return make_uint2(pack_f16x2(x.x, x.y), pack_f16x2(x.z, x.w));
+    }
+  };
   auto load_tile = [&](int n0) {
 #pragma unroll
-    for (int c = 0; c < T::kLoads; ++c) {
+    for (int c = 0; c < Tile::kLoads; ++c) {
       const int f = int(threadIdx.x) + c * kFlashThreads, row = f / (HD / 4), c4 = f % (HD / 4), j = n0 + row;
       if (j < n_ctx) {
-        const int64_t off = (int64_t(j) * n_head_kv + kv) * HD + 4 * c4;
-        pre_k[c] = *reinterpret_cast<const float4*>(k + off);
-        pre_v[c] = *reinterpret_cast<const float4*>(v + off);
+        const int64_t off = (kv_pool_row(block_table, block_size_log2, j) * n_head_kv + kv) * HD + 4 * c4;
+        pre_k[c] = load4(k + off);
+        pre_v[c] = load4(v + off);
       } else {
-        pre_k[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        pre_k[c] = make_uint2(0, 0);
         pre_v[c] = pre_k[c];
       }
     }
   };
   auto store_tile = [&](int stage) {
-    uint8_t* kb = smem + stage * T::kStageBytes;
+    uint8_t* kb = smem + stage * Tile::kStageBytes;
 #pragma unroll
-    for (int c = 0; c < T::kLoads; ++c) {
+    for (int c = 0; c < Tile::kLoads; ++c) {
       const int f = int(threadIdx.x) + c * kFlashThreads, row = f / (HD / 4), c4 = f % (HD / 4);
-      const uint32_t off = flash_offset(row, c4 / 2, T::kUnits) + 8 * (c4 % 2);
-      *reinterpret_cast<uint2*>(kb + off) =
-          make_uint2(pack_f16x2(pre_k[c].x, pre_k[c].y), pack_f16x2(pre_k[c].z, pre_k[c].w));
-      *reinterpret_cast<uint2*>(kb + T::kTileBytes + off) =
-          make_uint2(pack_f16x2(pre_v[c].x, pre_v[c].y), pack_f16x2(pre_v[c].z, pre_v[c].w));
+      const uint32_t off = flash_offset(row, c4 / 2, Tile::kUnits) + 8 * (c4 % 2);
+      *reinterpret_cast<uint2*>(kb + off) = pre_k[c];
+      *reinterpret_cast<uint2*>(kb + Tile::kTileBytes + off) = pre_v[c];
     }
   };
 
@@ -170,7 +171,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
     if (it + 1 < n_tiles) load_tile(n0 + kFlashBN);
     if (n0 > wmax) continue;  // every row of this warp is before the tile (warp-uniform)
 
-    const uint32_t kbase = smem_addr(smem + stage * T::kStageBytes), vbase = kbase + T::kTileBytes;
+    const uint32_t kbase = smem_addr(smem + stage * Tile::kStageBytes), vbase = kbase + Tile::kTileBytes;
     float s[kFlashBN / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kFlashBN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
@@ -179,7 +180,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
 #pragma unroll
       for (int np = 0; np < kFlashBN / 16; ++np) {
         uint32_t b[4];
-        ldmatrix_x4(b, kbase + flash_offset(16 * np + k_row, 2 * ks + k_half, T::kUnits));
+        ldmatrix_x4(b, kbase + flash_offset(16 * np + k_row, 2 * ks + k_half, Tile::kUnits));
         mma_f16(s[2 * np], qf[ks], b[0], b[1]);
         mma_f16(s[2 * np + 1], qf[ks], b[2], b[3]);
       }
@@ -198,7 +199,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
     float base[2], alpha[2], sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(row_m[h], flash_quad_max(mx[h]));
+      const float m_new = fmaxf(row_m[h], quad_max(mx[h]));
       base[h] = m_new == -kInf ? 0.f : m_new;  // a row with nothing unmasked yet: keep exp2 finite
       alpha[h] = exp2f(row_m[h] - base[h]);    // 0 on the first tile (row_m = -inf)
       row_m[h] = m_new;
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
 #pragma unroll
       for (int dp = 0; dp < HD / 16; ++dp) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, vbase + flash_offset(16 * kk + v_row, 2 * dp + v_half, T::kUnits));
+        ldmatrix_x4_trans(b, vbase + flash_offset(16 * kk + v_row, 2 * dp + v_half, Tile::kUnits));
         mma_f16(o[2 * dp], a, b[0], b[1]);
         mma_f16(o[2 * dp + 1], a, b[2], b[3]);
       }
@@ -240,7 +241,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
   float inv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float l = flash_quad_sum(row_l[h]);
+    const float l = quad_sum(row_l[h]);
     inv[h] = l > 0.f ? 1.f / l : 0.f;
   }
 #pragma unroll

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kernels/kv_access.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/pdl.cuh"
 
@@ -51,25 +52,29 @@ __global__ void rms_norm_block_kernel(const float* __restrict__ x_in, const floa
 
 // The attention prologue in one launch: block (token, head) over q heads then kv heads. One warp
 // per head vector: RMSNorm over head_dim (optional), RoPE (half-split) at the token's position,
-// then q is written back in place and k/v go to their cache row.
+// then q is written back in place and k/v go to their pool row (backend/kv_pages.h), rounded to
+// the cache element type T.
+template <typename T>
 __global__ void qk_norm_rope_kv_write_kernel(const float* q_in, float* q_out, int64_t q_stride,
                                              const float* __restrict__ k_new, const float* __restrict__ v_new,
                                              int64_t kv_stride, const float* __restrict__ q_norm,
                                              const float* __restrict__ k_norm, float eps,
                                              const float* __restrict__ inv_freq, float attention_factor,
                                              const int32_t* __restrict__ positions, int64_t n_head,
-                                             int64_t n_head_kv, int64_t head_dim, float* __restrict__ k_cache,
-                                             float* __restrict__ v_cache) {
+                                             int64_t n_head_kv, int64_t head_dim, T* __restrict__ k_cache,
+                                             T* __restrict__ v_cache, const int32_t* __restrict__ block_table,
+                                             int block_size_log2) {
   pdl_enter();
   constexpr int kMaxPerLane = 8;  // head_dim <= 256
   const int64_t t = blockIdx.x, h = int64_t(blockIdx.y) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (h >= n_head + n_head_kv) return;
   const bool is_q = h < n_head;
-  const int64_t pos = positions[t];
+  const int64_t pos = positions[t], row = is_q ? 0 : kv_pool_row(block_table, block_size_log2, pos);
   // q_in and q_out may be one buffer: each warp reads its head vector whole before writing it.
   const float* src = is_q ? q_in + t * q_stride + h * head_dim : k_new + t * kv_stride + (h - n_head) * head_dim;
-  float* dst = is_q ? q_out + (t * n_head + h) * head_dim : k_cache + (pos * n_head_kv + (h - n_head)) * head_dim;
+  float* q_dst = q_out + (t * n_head + h) * head_dim;
+  T* k_dst = k_cache + (row * n_head_kv + (h - n_head)) * head_dim;
   const float* norm = is_q ? q_norm : k_norm;
   const int64_t half = head_dim / 2;
   // Lane holds pairs (i, i + half) for i = lane + 32 j, so the rotation needs no exchange.
@@ -93,13 +98,19 @@ __global__ void qk_norm_rope_kv_write_kernel(const float* q_in, float* q_out, in
     sincosf(float(pos) * inv_freq[i], &s, &c);
     c *= attention_factor;
     s *= attention_factor;
-    dst[i] = x0 * c - x1 * s;
-    dst[i + half] = x1 * c + x0 * s;
+    const float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
+    if (is_q) {
+      q_dst[i] = y0;
+      q_dst[i + half] = y1;
+    } else {
+      kv_store(k_dst + i, y0);
+      kv_store(k_dst + i + half, y1);
+    }
   }
   if (!is_q) {
     const float* vs = v_new + t * kv_stride + (h - n_head) * head_dim;
-    float* vd = v_cache + (pos * n_head_kv + (h - n_head)) * head_dim;
-    for (int64_t i = lane; i < head_dim; i += 32) vd[i] = vs[i];
+    T* vd = v_cache + (row * n_head_kv + (h - n_head)) * head_dim;
+    for (int64_t i = lane; i < head_dim; i += 32) kv_store(vd + i, vs[i]);
   }
 }
 

@@ -46,13 +46,23 @@ class Model {
   // on ties): only the token id comes back to the host.
   int32_t forward_greedy(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv);
   void set_use_graphs(bool on) { use_graphs_ = on; }
-  virtual KvCache make_kv_cache(int64_t max_tokens) const = 0;
+  // A cache for one sequence of up to max_tokens positions, of the model's KV dtype (F16 unless
+  // set_kv_dtype chose F32), in blocks of 2^block_size_log2 positions.
+  virtual KvCache make_kv_cache(int64_t max_tokens, int block_size_log2 = KvCache::kDefaultBlockSizeLog2) const {
+    return KvCache(backend_, config_.num_hidden_layers, max_tokens, config_.num_key_value_heads, config_.head_dim,
+                   kv_dtype_, block_size_log2);
+  }
+  void set_kv_dtype(DType dtype) {
+    NIBBLE_CHECK(kv_dtype_supported(dtype), "KV cache dtype {} is not supported (F16 or F32)", dtype_name(dtype));
+    kv_dtype_ = dtype;
+  }
+  DType kv_dtype() const { return kv_dtype_; }
   // Bytes one decoded token reads: every weight it uses (the top-k experts of each MoE layer, one
   // embedding row) and, per token of context, the KV cache as this backend stores it.
   virtual int64_t weight_bytes_per_token() const = 0;
   int64_t kv_bytes_per_context_token() const {
     return 2 * config_.num_hidden_layers * config_.num_key_value_heads * config_.head_dim *
-           int64_t(sizeof(float));
+           int64_t(dtype_size_bytes(kv_dtype_));
   }
 
   void set_tracer(Tracer tracer) { tracer_ = std::move(tracer); }
@@ -74,6 +84,7 @@ class Model {
   ModelConfig config_;
   Backend& backend_;
   Tracer tracer_;
+  DType kv_dtype_ = DType::F16;
 
  private:
   void run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits, std::vector<float>* logits,
@@ -89,12 +100,16 @@ struct LoadOptions {
   std::string load_format = "auto";  // "auto": the checkpoint's safetensors; "dummy": random weights
   std::string quantization;          // with dummy weights: "" (BF16) or "int4" (GPTQ-like, W4A16)
   int group_size = 128;
+  DType kv_cache_dtype = DType::F16;  // F16 or F32 (--kv-cache-dtype)
 };
 
 // Reads config.json, picks the architecture by model_type and loads the weights. Errors name the
 // file and the field or tensor that is wrong.
 std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend,
                                   const LoadOptions& options = {});
+
+// --kv-cache-dtype: "auto" and "float16" (f16, the default), "float32" (exact); Error otherwise.
+DType parse_kv_cache_dtype(const std::string& name);
 
 // model_types nibble can run, for messages and `nibble info`.
 std::vector<std::string> supported_model_types();

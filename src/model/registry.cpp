@@ -51,6 +51,7 @@ std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend
     auto model = a.create(config, *source, backend);
     source->finish();
     model->set_use_graphs(!options.enforce_eager);
+    model->set_kv_dtype(options.kv_cache_dtype);
     return model;
   }
   std::string list;
@@ -95,6 +96,12 @@ RopeTable make_rope_table(const ModelConfig& config) {
   }
   table.inv_freq = host_vector(std::move(inv_freq));
   return table;
+}
+
+DType parse_kv_cache_dtype(const std::string& name) {
+  if (name == "auto" || name == "float16" || name == "fp16" || name == "f16") return DType::F16;
+  if (name == "float32" || name == "fp32" || name == "f32") return DType::F32;
+  fail("--kv-cache-dtype '{}': expected auto, float16 or float32", name);
 }
 
 }  // namespace nibble

@@ -37,7 +37,8 @@ class VariantTest : public ::testing::Test {
     return tmp_.string();
   }
 
-  // Max relative error of the model in `dir` against the fixture's transformers logits.
+  // Max relative error of the model in `dir` against the fixture's transformers logits (f32 KV
+  // cache: the exact path, so any loader mistake shows above the 1e-4 bound).
   double error_against(const std::string& dir, const std::string& reference) {
     auto expected = SafetensorsFile::open(fixture(reference) + "/expected.safetensors");
     const TensorInfo& p = expected->tensors().at("prompt_ids");
@@ -45,7 +46,9 @@ class VariantTest : public ::testing::Test {
     std::vector<int32_t> prompt(size_t(p.numel()));
     std::memcpy(prompt.data(), p.data, p.nbytes);
     auto backend = make_cpu_backend();
-    auto model = load_model(dir, *backend);
+    LoadOptions options;
+    options.kv_cache_dtype = DType::F32;
+    auto model = load_model(dir, *backend, options);
     KvCache kv = model->make_kv_cache(int64_t(prompt.size()));
     std::vector<float> logits;
     model->forward(prompt, 0, kv, true, logits);

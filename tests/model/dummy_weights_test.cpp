@@ -34,8 +34,9 @@ std::string decode_shaped_config() {
 }
 
 std::vector<float> dummy_logits(Backend& backend, const std::string& quantization,
-                                const std::string& dir = kTinyMoe) {
+                                const std::string& dir = kTinyMoe, DType kv_dtype = DType::F16) {
   LoadOptions load;
+  load.kv_cache_dtype = kv_dtype;
   load.load_format = "dummy";
   load.quantization = quantization;
   load.group_size = 32;
@@ -79,19 +80,23 @@ TEST(DummyWeights, BackendsAgree) {
   auto cpu = make_cpu_backend();
   for (auto [q, dir] : {std::pair<const char*, std::string>{"", kTinyMoe}, {"int4", kTinyMoe},
                         {"", decode_shaped_config()}, {"int4", decode_shaped_config()}}) {
-    auto want = dummy_logits(*cpu, q, dir), got = dummy_logits(*gpu, q, dir);
-    ASSERT_EQ(want.size(), got.size());
-    double diff = 0, ref = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-      diff = std::max(diff, double(std::fabs(got[i] - want[i])));
-      ref = std::max(ref, double(std::fabs(want[i])));
+    for (DType kv_dtype : {DType::F32, DType::F16}) {
+      auto want = dummy_logits(*cpu, q, dir, kv_dtype), got = dummy_logits(*gpu, q, dir, kv_dtype);
+      ASSERT_EQ(want.size(), got.size());
+      double diff = 0, ref = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        diff = std::max(diff, double(std::fabs(got[i] - want[i])));
+        ref = std::max(ref, double(std::fabs(want[i])));
+      }
+      // INT4 at the decode shapes runs on the tensor cores with f16 activations and dequantised
+      // weights (relative 2^-11 each, kernels/gemv_mma.cuh) through 2 layers of 6 products each,
+      // and with an f16 KV cache decode attention does too (q and the softmax numerators rounded
+      // to f16, kernels/attention.cuh); everything else here computes in f32.
+      const bool f16 = (std::string(q) == "int4" && dir != kTinyMoe) || kv_dtype == DType::F16;
+      std::printf("  cuda vs cpu, quantization '%s', %s KV, %s: %.2e\n", q, dtype_name(kv_dtype).data(), dir.c_str(),
+                  diff / ref);
+      EXPECT_LE(diff / ref, f16 ? 2e-3 : 1e-4) << "quantization '" << q << "', " << dir;
     }
-    // INT4 at the decode shapes runs on the tensor cores with f16 activations and dequantised
-    // weights (relative 2^-11 each, kernels/gemv_mma.cuh) through 2 layers of 6 products each;
-    // everything else here computes in f32.
-    const bool f16 = std::string(q) == "int4" && dir != kTinyMoe;
-    std::printf("  cuda vs cpu, quantization '%s', %s: %.2e\n", q, dir.c_str(), diff / ref);
-    EXPECT_LE(diff / ref, f16 ? 2e-3 : 1e-4) << "quantization '" << q << "', " << dir;
   }
 }
 

@@ -165,39 +165,67 @@ TEST_F(OpsTest, EmbedNormRopeElementwise) {
       RopeTable host = make_rope_table(c);
       RopeTable dev{gpu_->upload(host.inv_freq), host.attention_factor};
       const int64_t m = 3, nh = 6, nkv = 2, hd = 128, ctx = 40000, row = nkv * hd;
+      using PagedKv = GpuCompareTest::PagedKv;
       std::vector<int32_t> positions = {5, 30001, 7};
       WeightVector qn = norms ? host_vector(random(hd)) : WeightVector{}, kn = norms ? host_vector(random(hd)) : WeightVector{};
       auto q = random(m * nh * hd, 2.f), k = random(m * row, 2.f), v = random(m * row);
-      std::vector<float> want_q = q, want_k(size_t(ctx * row), 0.f), want_v(size_t(ctx * row), 0.f);
-      cpu_->qk_norm_rope_kv_write(want_q.data(), want_q.data(), nh * hd, k.data(), v.data(), row, qn, kn, 1e-6f,
-                                  host, positions.data(), m, nh, nkv, hd, want_k.data(), want_v.data());
       const WeightVector dqn = norms ? gpu_->upload(qn) : qn, dkn = norms ? gpu_->upload(kn) : kn;
-      float* dq = on_gpu(q);
-      float* dk = on_gpu(std::vector<float>(size_t(ctx * row), 0.f));
-      float* dv = on_gpu(std::vector<float>(size_t(ctx * row), 0.f));
-      gpu_->qk_norm_rope_kv_write(dq, dq, nh * hd, on_gpu(k), on_gpu(v), row, dqn, dkn, 1e-6f, dev, on_gpu(positions),
-                                  m, nh, nkv, hd, dk, dv);
-      const std::string what = fmt::format("qk_norm_rope_kv {}{}", rope_type, norms ? " norms" : "");
-      expect_close(to_host(dq, int64_t(q.size())), want_q, what + " q");
-      expect_close(to_host(dk, ctx * row), want_k, what + " k cache");
-      expect_close(to_host(dv, ctx * row), want_v, what + " v cache");
-      // The same from one fused [q | k | v] row per token (strided inputs, q to its own buffer).
-      const int64_t total = nh * hd + 2 * row;
-      std::vector<float> fused(size_t(m * total));
-      for (int64_t t = 0; t < m; ++t) {
-        std::copy_n(q.begin() + t * nh * hd, nh * hd, fused.begin() + t * total);
-        std::copy_n(k.begin() + t * row, row, fused.begin() + t * total + nh * hd);
-        std::copy_n(v.begin() + t * row, row, fused.begin() + t * total + nh * hd + row);
+      // f32 pools are compared exactly; f16 ones may differ by one f16 rounding step (2^-11
+      // relative) where the GPU's f32 value lands on the other side of a rounding boundary.
+      for (DType dtype : {DType::F32, DType::F16}) {
+        const double tolerance = dtype == DType::F32 ? kTolerance : 1e-3;
+        // Blocks of 16 positions, logical blocks shuffled over the pool (a position lands in
+        // the row its block table entry says, not at row `position`).
+        PagedKv want_kv = paged_kv(ctx, row, dtype, 4);
+        std::vector<float> want_q = q;
+        cpu_->qk_norm_rope_kv_write(want_q.data(), want_q.data(), nh * hd, k.data(), v.data(), row, qn, kn, 1e-6f,
+                                    host, positions.data(), m, nh, nkv, hd, want_kv.host());
+        // The positions written, in logical order, and the rest of the pool still NaN.
+        auto written = [&](const std::vector<float>& all) {
+          std::vector<float> out;
+          for (int32_t p : positions) out.insert(out.end(), all.begin() + p * row, all.begin() + (p + 1) * row);
+          return out;
+        };
+        const auto want_k = written(host_positions(want_kv, ctx, false));
+        const auto want_v = written(host_positions(want_kv, ctx, true));
+        const std::string what = fmt::format("qk_norm_rope_kv {}{} {}", rope_type, norms ? " norms" : "",
+                                             dtype_name(dtype));
+        for (bool fused : {false, true}) {
+          PagedKv kv = paged_kv(ctx, row, dtype, 4);
+          kv.table = want_kv.table;
+          upload(kv);
+          float* dq = nullptr;
+          if (!fused) {
+            dq = on_gpu(q);
+            gpu_->qk_norm_rope_kv_write(dq, dq, nh * hd, on_gpu(k), on_gpu(v), row, dqn, dkn, 1e-6f, dev,
+                                        on_gpu(positions), m, nh, nkv, hd, kv.gpu());
+          } else {
+            // One [q | k | v] row per token (strided inputs, q to its own buffer).
+            const int64_t total = nh * hd + 2 * row;
+            std::vector<float> rows(size_t(m * total));
+            for (int64_t t = 0; t < m; ++t) {
+              std::copy_n(q.begin() + t * nh * hd, nh * hd, rows.begin() + t * total);
+              std::copy_n(k.begin() + t * row, row, rows.begin() + t * total + nh * hd);
+              std::copy_n(v.begin() + t * row, row, rows.begin() + t * total + nh * hd + row);
+            }
+            float* df = on_gpu(rows);
+            dq = poisoned_gpu(int64_t(q.size()));
+            gpu_->qk_norm_rope_kv_write(df, dq, total, df + nh * hd, df + nh * hd + row, total, dqn, dkn, 1e-6f, dev,
+                                        on_gpu(positions), m, nh, nkv, hd, kv.gpu());
+          }
+          const std::string w = what + (fused ? " fused" : "");
+          expect_close(to_host(dq, int64_t(q.size())), want_q, w + " q", kTolerance);
+          expect_close(written(gpu_positions(kv, ctx, false)), want_k, w + " k cache", tolerance);
+          expect_close(written(gpu_positions(kv, ctx, true)), want_v, w + " v cache", tolerance);
+          std::vector<uint8_t> pool(kv.k.size());
+          gpu_->copy_to_host(pool.data(), kv.gpu_k, pool.size());
+          int64_t finite = 0;
+          for (int64_t r = 0; r < int64_t(pool.size() / dtype_size_bytes(dtype)) / row; ++r)
+            for (int64_t i = 0; i < row; ++i) finite += std::isfinite(kv.at(pool, r, i));
+          EXPECT_EQ(finite, m * row) << w << ": the kernel wrote K rows other than the tokens' positions";
+          release_buffers();
+        }
       }
-      float* df = on_gpu(fused);
-      float* dq2 = poisoned_gpu(int64_t(q.size()));
-      float* dk2 = on_gpu(std::vector<float>(size_t(ctx * row), 0.f));
-      float* dv2 = on_gpu(std::vector<float>(size_t(ctx * row), 0.f));
-      gpu_->qk_norm_rope_kv_write(df, dq2, total, df + nh * hd, df + nh * hd + row, total, dqn, dkn, 1e-6f, dev,
-                                  on_gpu(positions), m, nh, nkv, hd, dk2, dv2);
-      expect_close(to_host(dq2, int64_t(q.size())), want_q, what + " fused q");
-      expect_close(to_host(dk2, ctx * row), want_k, what + " fused k cache");
-      expect_close(to_host(dv2, ctx * row), want_v, what + " fused v cache");
     }
   }
   const int64_t count = 1001;
@@ -214,22 +242,34 @@ TEST_F(OpsTest, EmbedNormRopeElementwise) {
   expect_close(to_host(y, count), want, "add");
 }
 
+// Attention over paged caches (shuffled block tables, NaN in unused rows) of both element types.
+// Which kernel runs: m <= 8 with head_dim 64/128 is the split-K decode (f16 KV: tensor cores, GQA
+// group <= 16; f32 KV: CUDA cores, group <= 8); m > 8 with head_dim 64/128 and group <= 8 is the
+// flash-attention prefill, with a larger group the decode kernels in chunks of tokens; everything
+// else the exact one-warp-per-head kernel. Tensor-core paths
+// round q and the softmax numerators to f16 (and f32 K/V in the prefill): 2e-3, derived in
+// tests/ops/flash_attention_test.cpp; the rest compute in f32 on the same K/V values: kTolerance.
 TEST_F(OpsTest, Attention) {
   using Shape = AttentionShape;
-  for (Shape s : {Shape{4, 2, 40}, Shape{32, 4, 128}, Shape{5, 1, 24}, Shape{8, 8, 64}}) {
-    // m = 300: a prefill that the GPU runs in two chunks of query tokens.
-    for (auto [m, pos0] : {std::pair<int64_t, int64_t>{1, 0}, {6, 0}, {1, 300}, {5, 17}, {33, 70}, {1, 3000},
-                           {8, 1000}, {300, 40}}) {
-      std::vector<int32_t> positions(static_cast<size_t>(m));
-      for (int64_t t = 0; t < m; ++t) positions[size_t(t)] = int32_t(pos0 + t);
-      // m > 8 with head_dim 64/128 and a GQA group <= 8 (m = 33 and 300 of 32/4x128 and 8/8x64) is
-      // the tensor-core flash-attention prefill: f16 operands, 2e-3 (derived in
-      // tests/ops/flash_attention_test.cpp).
-      const bool flash = m > 8 && (s.head_dim == 64 || s.head_dim == 128) && s.n_head / s.n_head_kv <= 8;
-      // A context bound above the real one, as a recorded decode step passes (its bucket).
-      expect_attention_close(s, positions, pos0 + m, pos0 + m + 300,
-                             fmt::format("attention {}/{}x{} m={} pos0={}", s.n_head, s.n_head_kv, s.head_dim, m, pos0),
-                             flash ? 2e-3 : kTolerance);
+  for (DType dtype : {DType::F16, DType::F32}) {
+    for (Shape s : {Shape{4, 2, 40}, Shape{32, 4, 128}, Shape{5, 1, 24}, Shape{8, 8, 64}, Shape{16, 1, 64}}) {
+      // m = 300: a prefill that the GPU runs in two chunks of query tokens. Contexts from 1 to
+      // 9,301 (max_context 300 above) take every split size of the decode kernels.
+      for (auto [m, pos0] : {std::pair<int64_t, int64_t>{1, 0}, {6, 0}, {1, 300}, {5, 17}, {33, 70}, {1, 3000},
+                             {8, 1000}, {1, 9000}, {300, 40}}) {
+        std::vector<int32_t> positions(static_cast<size_t>(m));
+        for (int64_t t = 0; t < m; ++t) positions[size_t(t)] = int32_t(pos0 + t);
+        const int64_t group = s.n_head / s.n_head_kv;
+        const bool hd_ok = s.head_dim == 64 || s.head_dim == 128;
+        // m > 8 and group > 8 runs the decode kernel in chunks of tokens.
+        const bool tensor_cores = hd_ok && ((m > 8 && group <= 8) || (dtype == DType::F16 && group <= 16));
+        // Blocks of 16 positions, and of 1 and 64 for one shape each.
+        const int log2 = s.head_dim == 64 ? (s.n_head == 8 ? 0 : 6) : 4;
+        expect_attention_close(s, positions, pos0 + m, pos0 + m + 300,
+                               fmt::format("attention {}/{}x{} m={} pos0={}", s.n_head, s.n_head_kv, s.head_dim, m, pos0),
+                               tensor_cores ? 2e-3 : kTolerance, dtype, log2);
+        release_buffers();
+      }
     }
   }
 }

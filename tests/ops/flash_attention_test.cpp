@@ -1,8 +1,8 @@
 // The CUDA flash-attention prefill (kernels/flash_attention.cuh: m > 8 query tokens, head_dim 64 or
 // 128, GQA group <= 8) against the CPU reference, through Backend::attention: random q/k/v, outputs
 // poisoned with NaN (an element the kernel forgets fails), causal positions pos0 + t, a max_context
-// above the real context, K/V caches of exactly pos0 + m rows (a read past the context would show
-// up as a fault or NaN under compute-sanitizer). Without a GPU the tests report as skipped.
+// above the real context, paged K/V caches (f16 unless stated) holding exactly pos0 + m positions
+// in shuffled blocks, NaN everywhere else (a read past the context shows up as NaN). Without a GPU the tests report as skipped.
 //
 // Tolerance: the kernel rounds q, k, p (the softmax numerators) and v to f16, unit roundoff
 // u = 2^-11 = 4.9e-4, and sums in f32. A score s = scale·q·k then errs by at most
@@ -37,14 +37,14 @@ class FlashAttentionTest : public GpuCompareTest {
   using Shape = AttentionShape;
   // positions: pos0 + t, or (shuffled) the same set in random order (the kernel must not rely on
   // ascending positions for correctness).
-  void check(Shape s, int64_t m, int64_t pos0, bool shuffled = false) {
+  void check(Shape s, int64_t m, int64_t pos0, bool shuffled = false, DType kv_dtype = DType::F16) {
     std::vector<int32_t> positions(static_cast<size_t>(m));
     for (int64_t t = 0; t < m; ++t) positions[size_t(t)] = int32_t(pos0 + t);
     if (shuffled) std::shuffle(positions.begin(), positions.end(), rng_);
     expect_attention_close(s, positions, pos0 + m, pos0 + m + 300,
                            fmt::format("flash attention {}/{}x{} m={} pos0={}{}", s.n_head, s.n_head_kv,
                                        s.head_dim, m, pos0, shuffled ? " shuffled" : ""),
-                           kFlashTolerance);
+                           kFlashTolerance, kv_dtype);
     release_buffers();
   }
 };
@@ -56,6 +56,12 @@ TEST_F(FlashAttentionTest, MatchesCpu) {
   for (Shape s : {Shape{32, 4, 128}, Shape{8, 8, 64}, Shape{16, 2, 128}})
     for (int64_t m : {9, 64, 300, 2048})
       for (int64_t pos0 : {0, 70, 1000}) check(s, m, pos0);
+}
+
+// f32 K/V pools (converted to f16 as the tiles are staged).
+TEST_F(FlashAttentionTest, F32Cache) {
+  for (Shape s : {Shape{32, 4, 128}, Shape{8, 8, 64}})
+    for (int64_t m : {9, 300}) check(s, m, 70, false, DType::F32);
 }
 
 // Positions in random order: each block's causal limit is the max over its rows, every row masks

@@ -6,15 +6,19 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "backend/backend.h"
 #include "core/status.h"
+
+#include <fmt/format.h>
 
 namespace nibble {
 
@@ -75,24 +79,108 @@ class GpuCompareTest : public ::testing::Test {
     ++cases_;
   }
 
-  // Backend::attention on both backends: random q [m, n_head, head_dim] and K/V caches of exactly
-  // ctx rows, query token t at positions[t] (m = positions.size()), the context bound max_context
-  // (a recorded decode step passes one above the real context); the outputs compared at `tolerance`.
+  // A paged KV cache held on the host (the CPU backend's view) and copied to the GPU: pools of
+  // n_blocks · 2^log2 rows of `row` elements, logical block b at pool block table[b], the table a
+  // random permutation, so a kernel that ignores it reads the wrong rows. Rows no position maps to
+  // hold NaN: a kernel that reads past the context fails.
+  struct PagedKv {
+    DType dtype;
+    int log2;
+    int64_t row;
+    std::vector<int32_t> table;
+    std::vector<uint8_t> k, v;
+    int32_t* gpu_table = nullptr;
+    uint8_t *gpu_k = nullptr, *gpu_v = nullptr;
+    KvPages host() { return {k.data(), v.data(), dtype, table.data(), log2}; }
+    KvPages gpu() { return {gpu_k, gpu_v, dtype, gpu_table, log2}; }
+    int64_t pool_row(int64_t p) const { return kv_pool_row(table.data(), log2, p); }
+    // Element i of pool row r as f32.
+    float at(const std::vector<uint8_t>& pool, int64_t r, int64_t i) const {
+      const size_t e = size_t(r * row + i);
+      if (dtype == DType::F32) return reinterpret_cast<const float*>(pool.data())[e];
+      return f16_to_f32(reinterpret_cast<const uint16_t*>(pool.data())[e]);
+    }
+  };
+  PagedKv paged_kv(int64_t ctx, int64_t row, DType dtype, int log2) {
+    PagedKv kv;
+    kv.dtype = dtype;
+    kv.log2 = log2;
+    kv.row = row;
+    const int64_t block = int64_t(1) << log2, n_blocks = std::max<int64_t>(1, (ctx + block - 1) / block);
+    kv.table.resize(size_t(n_blocks));
+    std::iota(kv.table.begin(), kv.table.end(), 0);
+    std::shuffle(kv.table.begin(), kv.table.end(), rng_);
+    const size_t elements = size_t(n_blocks * block * row), size = dtype_size_bytes(dtype);
+    kv.k.resize(elements * size);
+    kv.v.resize(elements * size);
+    for (auto* pool : {&kv.k, &kv.v}) {
+      if (dtype == DType::F32)
+        std::fill_n(reinterpret_cast<float*>(pool->data()), elements, std::numeric_limits<float>::quiet_NaN());
+      else
+        std::fill_n(reinterpret_cast<uint16_t*>(pool->data()), elements, uint16_t(0x7e00));  // f16 NaN
+    }
+    return kv;
+  }
+  // Fills positions 0..ctx-1 with random values (exactly representable in the pool's type).
+  void fill_random(PagedKv& kv, int64_t ctx) {
+    for (auto* pool : {&kv.k, &kv.v}) {
+      const auto x = random(ctx * kv.row);
+      for (int64_t p = 0; p < ctx; ++p)
+        for (int64_t i = 0; i < kv.row; ++i) {
+          const size_t e = size_t(kv.pool_row(p) * kv.row + i);
+          if (kv.dtype == DType::F32)
+            reinterpret_cast<float*>(pool->data())[e] = x[size_t(p * kv.row + i)];
+          else
+            reinterpret_cast<uint16_t*>(pool->data())[e] = f32_to_f16(x[size_t(p * kv.row + i)]);
+        }
+    }
+  }
+  void upload(PagedKv& kv) {
+    kv.gpu_table = on_gpu(kv.table);
+    kv.gpu_k = on_gpu(kv.k);
+    kv.gpu_v = on_gpu(kv.v);
+  }
+  // The GPU pools back on the host, as f32 for positions 0..ctx-1 (logical order) of K then V.
+  std::vector<float> gpu_positions(const PagedKv& kv, int64_t ctx, bool values) {
+    std::vector<uint8_t> pool((values ? kv.v : kv.k).size());
+    gpu_->copy_to_host(pool.data(), values ? kv.gpu_v : kv.gpu_k, pool.size());
+    std::vector<float> out(size_t(ctx * kv.row));
+    for (int64_t p = 0; p < ctx; ++p)
+      for (int64_t i = 0; i < kv.row; ++i) out[size_t(p * kv.row + i)] = kv.at(pool, kv.pool_row(p), i);
+    return out;
+  }
+  std::vector<float> host_positions(const PagedKv& kv, int64_t ctx, bool values) {
+    std::vector<float> out(size_t(ctx * kv.row));
+    for (int64_t p = 0; p < ctx; ++p)
+      for (int64_t i = 0; i < kv.row; ++i) out[size_t(p * kv.row + i)] = kv.at(values ? kv.v : kv.k, kv.pool_row(p), i);
+    return out;
+  }
+
+  // Backend::attention on both backends: random q [m, n_head, head_dim] and a paged K/V cache
+  // (shuffled block table, blocks of 2^block_log2 positions) holding exactly ctx positions, query
+  // token t at positions[t] (m = positions.size()), the context bound max_context (a recorded
+  // decode step passes one above the real context); the outputs compared at `tolerance`.
   struct AttentionShape {
     int64_t n_head, n_head_kv, head_dim;
   };
   void expect_attention_close(AttentionShape s, const std::vector<int32_t>& positions, int64_t ctx,
-                              int64_t max_context, const std::string& what, double tolerance) {
+                              int64_t max_context, const std::string& what, double tolerance,
+                              DType kv_dtype = DType::F16, int block_log2 = 4) {
     const int64_t m = int64_t(positions.size()), row = s.n_head_kv * s.head_dim;
-    auto q = random(m * s.n_head * s.head_dim), k = random(ctx * row), v = random(ctx * row);
+    auto q = random(m * s.n_head * s.head_dim);
+    PagedKv kv = paged_kv(ctx, row, kv_dtype, block_log2);
+    fill_random(kv, ctx);
+    upload(kv);
     const float scale = 1.f / std::sqrt(float(s.head_dim));
     std::vector<float> want(size_t(m * s.n_head * s.head_dim));
-    cpu_->attention(q.data(), k.data(), v.data(), m, positions.data(), max_context, s.n_head, s.n_head_kv,
-                    s.head_dim, scale, want.data());
+    cpu_->attention(q.data(), kv.host(), m, positions.data(), max_context, s.n_head, s.n_head_kv, s.head_dim, scale,
+                    want.data());
     float* out = poisoned_gpu(int64_t(want.size()));
-    gpu_->attention(on_gpu(q), on_gpu(k), on_gpu(v), m, on_gpu(positions), max_context, s.n_head, s.n_head_kv,
-                    s.head_dim, scale, out);
-    expect_close(to_host(out, int64_t(want.size())), want, what, tolerance);
+    gpu_->attention(on_gpu(q), kv.gpu(), m, on_gpu(positions), max_context, s.n_head, s.n_head_kv, s.head_dim,
+                    scale, out);
+    expect_close(to_host(out, int64_t(want.size())), want,
+                 what + (kv_dtype == DType::F16 ? " f16 KV" : " f32 KV") + fmt::format(" block {}", 1 << block_log2),
+                 tolerance);
   }
 
   int cases_ = 0;

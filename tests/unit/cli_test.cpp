@@ -171,6 +171,18 @@ TEST_F(CliTest, BenchReportsTheSweepAsTableAndJson) {
   EXPECT_GT(j["meta"]["weight_bytes_per_token"].get<double>(), 0);
   EXPECT_GT(j["meta"]["copy_bandwidth_bytes_per_s"].get<double>(), 0);
   EXPECT_FALSE(j["meta"]["commit"].get<std::string>().empty());
+  EXPECT_EQ(j["meta"]["kv_cache_dtype"], "F16");
+  // An f32 cache: twice the KV bytes per context token.
+  const std::string json32 = (tmp_ / "bench32.json").string();
+  r = run_nibble("bench -m " + fixture("tiny-qwen3-moe-int4-g32") + " -p 8 -n 2 -r 1 --kv-cache-dtype float32 --json " +
+                 json32);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j32 = nlohmann::json::parse(std::ifstream(json32));
+  EXPECT_EQ(j32["meta"]["kv_cache_dtype"], "F32");
+  EXPECT_EQ(j32["meta"]["kv_bytes_per_context_token"].get<int64_t>(),
+            2 * j["meta"]["kv_bytes_per_context_token"].get<int64_t>());
+  expect_error(run_nibble("bench -m " + fixture("tiny-qwen3") + " --kv-cache-dtype int8"), {"--kv-cache-dtype", "int8"});
+  expect_error(run_nibble("run -m " + fixture("tiny-qwen3") + " --prompt hi --kv-cache-dtype f8"), {"--kv-cache-dtype"});
   expect_error(run_nibble("bench -m " + fixture("tiny-qwen3") + " -p 8,x"), {"-p", "'x'"});
   expect_error(run_nibble("bench -m " + fixture("tiny-qwen3") + " --load-format dummy --quantization int3"),
                {"--quantization int3"});

@@ -109,8 +109,9 @@ class CpuBackend final : public Backend {
                              const float* v_new, int64_t kv_stride, const WeightVector& q_norm,
                              const WeightVector& k_norm, float eps, const RopeTable& rope_table,
                              const int32_t* positions, int64_t m, int64_t n_head, int64_t n_head_kv,
-                             int64_t head_dim, float* k_cache, float* v_cache) override {
+                             int64_t head_dim, const KvPages& kv) override {
     const int64_t q_row = n_head * head_dim, row = n_head_kv * head_dim;
+    std::vector<float> k(static_cast<size_t>(row));
     for (int64_t t = 0; t < m; ++t) {
       float* q = q_out + t * q_row;
       if (q_norm.data)
@@ -118,14 +119,33 @@ class CpuBackend final : public Backend {
       else if (q != q_in + t * q_stride)
         std::copy_n(q_in + t * q_stride, q_row, q);
       rope(q, 1, n_head, head_dim, positions + t, rope_table);
-      float* k = k_cache + int64_t(positions[t]) * row;
       if (k_norm.data)
-        rms_norm(k_new + t * kv_stride, k_norm, n_head_kv, head_dim, eps, k);
+        rms_norm(k_new + t * kv_stride, k_norm, n_head_kv, head_dim, eps, k.data());
       else
-        std::copy_n(k_new + t * kv_stride, row, k);
-      rope(k, 1, n_head_kv, head_dim, positions + t, rope_table);
-      std::copy_n(v_new + t * kv_stride, row, v_cache + int64_t(positions[t]) * row);
+        std::copy_n(k_new + t * kv_stride, row, k.data());
+      rope(k.data(), 1, n_head_kv, head_dim, positions + t, rope_table);
+      const int64_t r = kv_pool_row(kv.block_table, kv.block_size_log2, positions[t]);
+      store_kv_row(kv.k, kv.dtype, r, k.data(), row);
+      store_kv_row(kv.v, kv.dtype, r, v_new + t * kv_stride, row);
     }
+  }
+
+  // Row r of a KV pool ([rows, n] of dtype F32 or F16) from / to f32.
+  static void store_kv_row(void* pool, DType dtype, int64_t r, const float* x, int64_t n) {
+    if (dtype == DType::F32) {
+      std::copy_n(x, n, static_cast<float*>(pool) + r * n);
+      return;
+    }
+    uint16_t* dst = static_cast<uint16_t*>(pool) + r * n;
+    for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_f16(x[i]);
+  }
+  // Elements [offset, offset + n) of row r; f32 pools are returned in place, f16 ones via `scratch`.
+  static const float* load_kv(const void* pool, DType dtype, int64_t r, int64_t row, int64_t offset, int64_t n,
+                              float* scratch) {
+    if (dtype == DType::F32) return static_cast<const float*>(pool) + r * row + offset;
+    const uint16_t* src = static_cast<const uint16_t*>(pool) + r * row + offset;
+    for (int64_t i = 0; i < n; ++i) scratch[i] = f16_to_f32(src[i]);
+    return scratch;
   }
 
   void rope(float* x, int64_t m, int64_t n_head, int64_t head_dim, const int32_t* positions,
@@ -147,22 +167,23 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void attention(const float* q, const float* k_cache, const float* v_cache, int64_t m,
-                 const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
-                 int64_t head_dim, float scale, float* out) override {
-    const int64_t group = n_head / n_head_kv;
+  void attention(const float* q, const KvPages& kv, int64_t m, const int32_t* positions, int64_t max_context,
+                 int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out) override {
+    const int64_t group = n_head / n_head_kv, row = n_head_kv * head_dim;
 #pragma omp parallel if (m * n_head * max_context * head_dim >= kMinParallelWork)
     {
-      std::vector<float> scores(static_cast<size_t>(max_context));
+      std::vector<float> scores(static_cast<size_t>(max_context)), scratch(static_cast<size_t>(head_dim));
 #pragma omp for collapse(2) schedule(static)
       for (int64_t t = 0; t < m; ++t) {
         for (int64_t h = 0; h < n_head; ++h) {
-          const int64_t kv = h / group, n_ctx = int64_t(positions[t]) + 1;
+          const int64_t kvh = h / group, n_ctx = int64_t(positions[t]) + 1;
           NIBBLE_ASSERT(n_ctx <= max_context);
           const float* qh = q + (t * n_head + h) * head_dim;
+          auto pool_row = [&](int64_t j) { return kv_pool_row(kv.block_table, kv.block_size_log2, j); };
           float max_score = -INFINITY;
           for (int64_t j = 0; j < n_ctx; ++j) {
-            scores[size_t(j)] = dot(qh, k_cache + (j * n_head_kv + kv) * head_dim, head_dim) * scale;
+            const float* kj = load_kv(kv.k, kv.dtype, pool_row(j), row, kvh * head_dim, head_dim, scratch.data());
+            scores[size_t(j)] = dot(qh, kj, head_dim) * scale;
             max_score = std::max(max_score, scores[size_t(j)]);
           }
           float sum = 0.f;
@@ -171,7 +192,7 @@ class CpuBackend final : public Backend {
           std::fill(oh, oh + head_dim, 0.f);
           for (int64_t j = 0; j < n_ctx; ++j) {
             const float p = scores[size_t(j)] / sum;
-            const float* vj = v_cache + (j * n_head_kv + kv) * head_dim;
+            const float* vj = load_kv(kv.v, kv.dtype, pool_row(j), row, kvh * head_dim, head_dim, scratch.data());
             for (int64_t d = 0; d < head_dim; ++d) oh[d] += p * vj[d];
           }
         }

@@ -349,45 +349,44 @@ class CudaBackend final : public Backend {
                              const float* v_new, int64_t kv_stride, const WeightVector& q_norm,
                              const WeightVector& k_norm, float eps, const RopeTable& rope,
                              const int32_t* positions, int64_t m, int64_t n_head, int64_t n_head_kv,
-                             int64_t head_dim, float* k_cache, float* v_cache) override {
+                             int64_t head_dim, const KvPages& kv) override {
     OpProfiler::Scope scope(profiler_, "qk_norm_rope_kv");
     NIBBLE_CHECK(head_dim <= 2 * 32 * 8 && head_dim % 2 == 0, "attention: head_dim {} is not supported",
                  head_dim);
     cuda::qk_norm_rope_kv_write(q_in, q_out, q_stride, k_new, v_new, kv_stride, q_norm.data, k_norm.data, eps,
                                 rope.inv_freq.data,
-                                rope.attention_factor, positions, m, n_head, n_head_kv, head_dim,
-                                k_cache, v_cache);
+                                rope.attention_factor, positions, m, n_head, n_head_kv, head_dim, kv);
     CUDA_CHECK_LAUNCH("qk_norm_rope_kv_write");
   }
 
-  void attention(const float* q, const float* k_cache, const float* v_cache, int64_t m,
-                 const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
-                 int64_t head_dim, float scale, float* out) override {
+  void attention(const float* q, const KvPages& kv, int64_t m, const int32_t* positions, int64_t max_context,
+                 int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out) override {
     OpProfiler::Scope scope(profiler_, "attention");
     NIBBLE_CHECK(head_dim <= cuda::kAttentionMaxHeadDim, "attention: head_dim {} exceeds {}",
                  head_dim, cuda::kAttentionMaxHeadDim);
-    if (m <= cuda::kGemvMaxM) {  // decode: split the context across blocks
-      Buffer partial(*this, size_t(cuda::attention_split_floats(m, max_context, n_head, head_dim)) * 4);
-      if (!cuda::attention_decode(q, k_cache, v_cache, partial.data(), out, attention_counters_.data<unsigned>(), m,
-                                  positions, max_context, n_head, n_head_kv, head_dim, scale))
-        cuda::attention_split(q, k_cache, v_cache, partial.data(), out, m, positions, max_context, n_head,
-                              n_head_kv, head_dim, scale);
-    } else if (cuda::flash_attention(q, k_cache, v_cache, out, m, positions, n_head, n_head_kv, head_dim, scale)) {
+    unsigned* counters = attention_counters_.data<unsigned>();
+    if (m <= cuda::kGemvMaxM && cuda::attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) {
+      // Decode: the context split across blocks (flash-decoding), merged by the last split block.
+      Buffer partial(*this, size_t(cuda::attention_partial_floats(m, max_context, n_head, head_dim)) * 4);
+      cuda::attention_decode(q, kv, partial.data(), out, counters, m, positions, max_context, n_head, n_head_kv,
+                             head_dim, scale);
+    } else if (m > cuda::kGemvMaxM &&
+               cuda::flash_attention(q, kv, out, m, positions, n_head, n_head_kv, head_dim, scale)) {
       // Prefill on the tensor cores (head_dim 64/128, GQA group <= 8, 16-byte-aligned pointers):
       // each staged K/V tile serves a block's 128 (token, q head) rows. f16 operands, f32 sums.
     } else if (const int64_t chunk = std::min<int64_t>(256, cuda::kAttentionMaxPairs / n_head_kv);
-               chunk >= 1 && cuda::attention_decode_supports(chunk, n_head, n_head_kv, head_dim)) {
+               m > cuda::kGemvMaxM && chunk >= 1 &&
+               cuda::attention_decode_supports(chunk, n_head, n_head_kv, head_dim, kv.dtype)) {
       // Prefill with the decode kernel, a chunk of query tokens per launch (bounds the split
       // partials): every (token, kv head, split) is a block, so a long prompt fills the GPU. The
       // fallback for shapes the flash-attention kernel does not take.
-      Buffer partial(*this, size_t(cuda::attention_split_floats(chunk, max_context, n_head, head_dim)) * 4);
+      Buffer partial(*this, size_t(cuda::attention_partial_floats(chunk, max_context, n_head, head_dim)) * 4);
       for (int64_t t0 = 0; t0 < m; t0 += chunk)
-        cuda::attention_decode(q + t0 * n_head * head_dim, k_cache, v_cache, partial.data(),
-                               out + t0 * n_head * head_dim, attention_counters_.data<unsigned>(),
+        cuda::attention_decode(q + t0 * n_head * head_dim, kv, partial.data(), out + t0 * n_head * head_dim, counters,
                                std::min(chunk, m - t0), positions + t0, max_context, n_head, n_head_kv, head_dim,
                                scale);
     } else {
-      cuda::attention(q, k_cache, v_cache, out, m, positions, n_head, n_head_kv, head_dim, scale);
+      cuda::attention(q, kv, out, m, positions, n_head, n_head_kv, head_dim, scale);
     }
     CUDA_CHECK_LAUNCH("attention");
   }

@@ -1,4 +1,5 @@
 // Launch configuration of the flash-attention prefill kernel; see flash_attention.h.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -8,10 +9,10 @@
 
 namespace nibble::cuda {
 
-bool flash_attention(const float* q, const float* k, const float* v, float* out, int64_t m,
-                     const int32_t* positions, int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
+bool flash_attention(const float* q, const KvPages& kv, float* out, int64_t m, const int32_t* positions,
+                     int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (!flash_attention_supports(n_head, n_head_kv, head_dim) || !aligned(q) || !aligned(k) || !aligned(v) ||
+  if (!flash_attention_supports(n_head, n_head_kv, head_dim) || !aligned(q) || !aligned(kv.k) || !aligned(kv.v) ||
       !aligned(out))
     return false;
   if (m == 0) return true;
@@ -19,14 +20,23 @@ bool flash_attention(const float* q, const float* k, const float* v, float* out,
   const int64_t tokens = kernels::kFlashRows / group;
   const dim3 grid(unsigned((m + tokens - 1) / tokens), unsigned(n_head_kv));
   const float scale_log2 = scale * 1.4426950408889634f;
-  auto go = [&](auto kernel, int smem) {
-    kernel<<<grid, kernels::kFlashThreads, smem>>>(q, k, v, out, positions, int(m), int(n_head), int(n_head_kv),
-                                                    group, scale_log2);
+  auto go = [&](auto kernel, auto element, int smem) {
+    using T = decltype(element);
+    kernel<<<grid, kernels::kFlashThreads, smem>>>(q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v),
+                                                    kv.block_table, kv.block_size_log2, out, positions, int(m),
+                                                    int(n_head), int(n_head_kv), group, scale_log2);
   };
-  if (head_dim == 64)
-    go(kernels::flash_attention_prefill_kernel<64>, kernels::FlashTile<64>::kSmemBytes);
+  auto with_type = [&](auto element) {
+    using T = decltype(element);
+    if (head_dim == 64)
+      go(kernels::flash_attention_prefill_kernel<64, T>, element, kernels::FlashTile<64>::kSmemBytes);
+    else
+      go(kernels::flash_attention_prefill_kernel<128, T>, element, kernels::FlashTile<128>::kSmemBytes);
+  };
+  if (kv.dtype == DType::F16)
+    with_type(__half());
   else
-    go(kernels::flash_attention_prefill_kernel<128>, kernels::FlashTile<128>::kSmemBytes);
+    with_type(float());
   return true;
 }
 

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "backend/kv_pages.h"
+
 namespace nibble::cuda {
 
 enum class Dense { kF32, kF16, kBF16 };
@@ -59,19 +61,17 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
                      int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
                      const float* norm, float eps, void* act, float* out, bool accumulate, int64_t m,
                      int64_t top_k, int64_t inter, int64_t hidden);
-// Split-K attention; partial is scratch of attention_split_floats(...) floats.
-int64_t attention_split_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim);
-void attention_split(const float* q, const float* k, const float* v, float* partial, float* out,
-                     int64_t m, const int32_t* positions, int64_t max_context, int64_t n_head,
-                     int64_t n_head_kv, int64_t head_dim, float scale);
-// Decode attention in one launch (kernels/attention.cuh attention_decode_kernel): head_dim 64 or
-// 128, GQA groups up to 8; false (nothing launched) for other shapes. partial as for
-// attention_split; counters: kAttentionMaxPairs device words, 0 between launches.
+// Decode attention in one launch over the paged cache: f16 KV on the tensor cores
+// (attention_decode_tc_kernel: head_dim 64/128, GQA groups up to 16), f32 KV on CUDA cores
+// (attention_decode_kernel: head_dim 64/128, groups up to 8); false (nothing launched) for other
+// shapes. partial: attention_partial_floats(...) floats of scratch; counters: kAttentionMaxPairs
+// device words, 0 between launches.
 constexpr int64_t kAttentionMaxPairs = 4096;
-bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int64_t head_dim);
-bool attention_decode(const float* q, const float* k, const float* v, float* partial, float* out,
-                      unsigned* counters, int64_t m, const int32_t* positions, int64_t max_context,
-                      int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale);
+int64_t attention_partial_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim);
+bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int64_t head_dim, DType kv_dtype);
+bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
+                      const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
+                      int64_t head_dim, float scale);
 void embed(Dense type, const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out);
 // delta non-null: x += delta first (the fused residual add). dim <= kNormMaxDim.
 constexpr int64_t kNormMaxDim = 8192;
@@ -81,9 +81,10 @@ void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, co
                            const float* v_new, int64_t kv_stride, const float* q_norm,
                            const float* k_norm, float eps, const float* inv_freq, float attention_factor,
                            const int32_t* positions, int64_t m, int64_t n_head, int64_t n_head_kv,
-                           int64_t head_dim, float* k_cache, float* v_cache);
-void attention(const float* q, const float* k, const float* v, float* out, int64_t m,
-               const int32_t* positions, int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale);
+                           int64_t head_dim, const KvPages& kv);
+// Any shape, one warp per (token, q head): the exact fallback.
+void attention(const float* q, const KvPages& kv, float* out, int64_t m, const int32_t* positions, int64_t n_head,
+               int64_t n_head_kv, int64_t head_dim, float scale);
 void silu_mul(const float* gate, const float* up, int64_t count, float* out);
 void add(const float* x, int64_t count, float* y);
 // Row-wise arg-max (lowest index on ties); scratch: argmax_scratch_bytes(rows) of device memory.

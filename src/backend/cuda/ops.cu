@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <cstdlib>
 #include <type_traits>
 #include <unordered_map>
@@ -279,57 +280,95 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
   });
 }
 
-// Sized for the decode kernel's splits at this context (kernels::decode_split), never larger than
-// attention_split's: enough for both.
-int64_t attention_split_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim) {
-  const int64_t split = kernels::decode_split(max_context);
-  const int64_t n_splits = (max_context + split - 1) / split;
-  return m * n_head * n_splits * kernels::decode_partial_stride(head_dim);  // >= the split kernel's head_dim + 2
+int64_t attention_partial_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim) {
+  const int64_t n_splits = (max_context + kernels::kDecodeTcMinSplit - 1) / kernels::kDecodeTcMinSplit;
+  return m * n_head * n_splits * kernels::decode_partial_stride(head_dim);  // the smallest split of both kernels
 }
 
-void attention_split(const float* q, const float* k, const float* v, float* partial, float* out,
-                     int64_t m, const int32_t* positions, int64_t max_context, int64_t n_head,
-                     int64_t n_head_kv, int64_t head_dim, float scale) {
-  const int64_t n_splits = (max_context + kernels::kAttentionSplit - 1) / kernels::kAttentionSplit;
+bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int64_t head_dim, DType kv_dtype) {
   const int64_t group = n_head / n_head_kv;
-  // GQA groups of up to 8 heads (Qwen3-30B-A3B: 32 / 4) share each K/V row read; head_dim <= 128.
-  auto gqa = [&](auto G) {
+  return (head_dim == 64 || head_dim == 128) && group <= (kv_dtype == DType::F16 ? kernels::kDecodeTcRows : 8) &&
+         m * n_head_kv <= kAttentionMaxPairs;
+}
+
+// Positions per split and warps per block of the tensor-core kernel, as measured (H100, tg128,
+// tok/s at depths 0 / 8192 / 16384; split/warps): 256/4 371 / 273 / 235, 256/8 369 / 294 / 240,
+// 512/8 367 / 289 / 267, 128/8 370 / 261 / 211; and with 4 warps 64 / 128 / 256 / 512 gave 333 /
+// 365 / 366 / 364 at depth 0. Fewer splits merge fewer partials, more warps keep more loads in
+// flight: 8 warps, 256 positions, 512 beyond a 12K context. NIBBLE_DECODE_SPLIT (64, 128, 256,
+// 512) and NIBBLE_DECODE_WARPS (4, 8) override them, for tuning on the device.
+static int env_choice(const char* name, std::initializer_list<int> allowed, int fallback) {
+  const char* env = std::getenv(name);
+  const int v = env ? std::atoi(env) : 0;
+  for (int a : allowed)
+    if (v == a) return v;
+  return fallback;
+}
+static int decode_tc_split(int64_t max_context) {
+  static const int forced = env_choice("NIBBLE_DECODE_SPLIT", {64, 128, 256, 512}, 0);
+  return forced ? forced : max_context > 12288 ? 512 : 256;
+}
+static int decode_tc_warps() {
+  static const int warps = env_choice("NIBBLE_DECODE_WARPS", {4, 8}, 8);
+  return warps;
+}
+
+bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
+                      const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
+                      int64_t head_dim, float scale) {
+  if (!attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) return false;
+  const int64_t group = n_head / n_head_kv;
+  if (kv.dtype == DType::F16) {
+    // 8 warps take at least 128 positions (a tile each); groups above 8 rows run 4 warps.
+    const int warps = group > 8 ? 4 : decode_tc_warps();
+    const int split = std::max(decode_tc_split(max_context), 16 * warps);
+    const int64_t n_splits = (max_context + split - 1) / split;
     const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
-    launch_pdl(kernels::attention_split_gqa_kernel<G.value>, grid, 32 * kernels::kAttentionSplitWarps, q, k, v,
-               partial, positions, n_head, n_head_kv, head_dim, scale, n_splits);
-  };
-  if (head_dim <= kernels::kAttentionMaxHeadDim / 2 && group > 1 && group <= 8) {
-    if (group <= 2)
-      gqa(std::integral_constant<int, 2>{});
-    else if (group <= 4)
-      gqa(std::integral_constant<int, 4>{});
+    const auto* k = static_cast<const __half*>(kv.k);
+    const auto* v = static_cast<const __half*>(kv.v);
+    const float scale_log2 = scale * 1.4426950408889634f;
+    auto go = [&](auto HD) {
+      auto launch = [&](auto SPLIT, auto WARPS, auto ROWS) {
+        launch_pdl(kernels::attention_decode_tc_kernel<HD.value, SPLIT.value, WARPS.value, ROWS.value>, grid,
+                   32 * WARPS.value, q, k, v, kv.block_table, kv.block_size_log2, partial, out, counters, positions,
+                   n_head, n_head_kv, scale_log2, n_splits);
+      };
+      auto with_split = [&](auto WARPS, auto ROWS) {
+        switch (split) {
+          case 128: launch(std::integral_constant<int, 128>{}, WARPS, ROWS); break;
+          case 256: launch(std::integral_constant<int, 256>{}, WARPS, ROWS); break;
+          case 512: launch(std::integral_constant<int, 512>{}, WARPS, ROWS); break;
+          default:
+            if constexpr (WARPS.value == 4) launch(std::integral_constant<int, 64>{}, WARPS, ROWS);
+            break;
+        }
+      };
+      using I = std::integral_constant<int, 4>;
+      using J = std::integral_constant<int, 8>;
+      using R16 = std::integral_constant<int, 16>;
+      if (group > 8)
+        with_split(I{}, R16{});
+      else if (warps == 8)
+        with_split(J{}, J{});
+      else
+        with_split(I{}, J{});
+    };
+    if (head_dim == 64)
+      go(std::integral_constant<int, 64>{});
     else
-      gqa(std::integral_constant<int, 8>{});
-  } else {
-    const dim3 grid(unsigned(m * n_head), unsigned(n_splits));
-    launch_pdl(kernels::attention_split_kernel, grid, 32 * kernels::kAttentionSplitWarps, q, k, v, partial,
-               positions, n_head, n_head_kv, head_dim, scale, n_splits);
+      go(std::integral_constant<int, 128>{});
+    return true;
   }
-  launch_pdl(kernels::attention_merge_kernel, unsigned(m * n_head), 128, partial, out, m * n_head, head_dim,
-             n_splits);
-}
-
-bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int64_t head_dim) {
-  return (head_dim == 64 || head_dim == 128) && n_head / n_head_kv <= 8 && m * n_head_kv <= kAttentionMaxPairs;
-}
-
-bool attention_decode(const float* q, const float* k, const float* v, float* partial, float* out,
-                      unsigned* counters, int64_t m, const int32_t* positions, int64_t max_context,
-                      int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
-  if (!attention_decode_supports(m, n_head, n_head_kv, head_dim)) return false;
-  const int64_t group = n_head / n_head_kv;
   const int split = kernels::decode_split(max_context);
   const int64_t n_splits = (max_context + split - 1) / split;
   const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
+  const auto* k = static_cast<const float*>(kv.k);
+  const auto* v = static_cast<const float*>(kv.v);
   auto go = [&](auto G, auto HD) {
     auto launch = [&](auto SPLIT) {
       launch_pdl(kernels::attention_decode_kernel<G.value, HD.value, SPLIT.value>, grid, kernels::kDecodeThreads, q, k,
-                 v, partial, out, counters, positions, max_context, n_head, n_head_kv, scale, n_splits);
+                 v, kv.block_table, kv.block_size_log2, partial, out, counters, positions, n_head, n_head_kv, scale,
+                 n_splits);
     };
     if (split == kernels::kDecodeSplitLong)
       launch(std::integral_constant<int, kernels::kDecodeSplitLong>{});
@@ -375,20 +414,35 @@ void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, co
                            const float* v_new, int64_t kv_stride, const float* q_norm,
                            const float* k_norm, float eps, const float* inv_freq, float attention_factor,
                            const int32_t* positions, int64_t m, int64_t n_head, int64_t n_head_kv,
-                           int64_t head_dim, float* k_cache, float* v_cache) {
+                           int64_t head_dim, const KvPages& kv) {
   constexpr int kWarps = 4;
   const dim3 grid(unsigned(m), unsigned((n_head + n_head_kv + kWarps - 1) / kWarps));
-  launch_pdl(kernels::qk_norm_rope_kv_write_kernel, grid, 32 * kWarps, q_in, q_out, q_stride, k_new, v_new,
-             kv_stride, q_norm, k_norm, eps, inv_freq, attention_factor, positions, n_head, n_head_kv, head_dim,
-             k_cache, v_cache);
+  auto go = [&](auto element) {
+    using T = decltype(element);
+    launch_pdl(kernels::qk_norm_rope_kv_write_kernel<T>, grid, 32 * kWarps, q_in, q_out, q_stride, k_new, v_new,
+               kv_stride, q_norm, k_norm, eps, inv_freq, attention_factor, positions, n_head, n_head_kv, head_dim,
+               static_cast<T*>(kv.k), static_cast<T*>(kv.v), kv.block_table, kv.block_size_log2);
+  };
+  if (kv.dtype == DType::F16)
+    go(__half());
+  else
+    go(float());
 }
 
-void attention(const float* q, const float* k, const float* v, float* out, int64_t m,
-               const int32_t* positions, int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
+void attention(const float* q, const KvPages& kv, float* out, int64_t m, const int32_t* positions, int64_t n_head,
+               int64_t n_head_kv, int64_t head_dim, float scale) {
   static_assert(kAttentionMaxHeadDim == kernels::kAttentionMaxHeadDim);
   constexpr int kWarps = 4;
-  kernels::attention_online_warp_kernel<<<blocks_for(m * n_head, kWarps), 32 * kWarps>>>(
-      q, k, v, out, m, positions, n_head, n_head_kv, head_dim, scale);
+  auto go = [&](auto element) {
+    using T = decltype(element);
+    kernels::attention_online_warp_kernel<T><<<blocks_for(m * n_head, kWarps), 32 * kWarps>>>(
+        q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v), kv.block_table, kv.block_size_log2, out, m,
+        positions, n_head, n_head_kv, head_dim, scale);
+  };
+  if (kv.dtype == DType::F16)
+    go(__half());
+  else
+    go(float());
 }
 
 void silu_mul(const float* gate, const float* up, int64_t count, float* out) {

@@ -60,11 +60,6 @@ class Qwen3Moe final : public Model {
     rope_ = {backend_.upload(rope.inv_freq), rope.attention_factor};
   }
 
-  KvCache make_kv_cache(int64_t max_tokens) const override {
-    return KvCache(backend_, config_.num_hidden_layers, max_tokens, config_.num_key_value_heads,
-                   config_.head_dim);
-  }
-
   int64_t weight_bytes_per_token() const override {
     int64_t bytes = int64_t(w_.embed.bytes() / size_t(w_.embed.n)) + int64_t(w_.lm_head.bytes());
     for (const LayerWeights& l : w_.layers) {
@@ -103,7 +98,7 @@ class Qwen3Moe final : public Model {
         be.rms_norm_linear(x.data(), l.input_norm, eps, l.qkv, T, qkv.data());
         const float* row = qkv.data();
         be.qk_norm_rope_kv_write(row, q.data(), nq + 2 * nk, row + nq, row + nq + nk, nq + 2 * nk, l.q_norm,
-                                 l.k_norm, eps, rope_, step.positions, T, nh, nkv, hd, kv.k(i), kv.v(i));
+                                 l.k_norm, eps, rope_, step.positions, T, nh, nkv, hd, kv.layer(i));
       } else {
         Buffer normed = floats(T * H);
         be.rms_norm(x.data(), l.input_norm, T, H, eps, normed.data());
@@ -113,10 +108,10 @@ class Qwen3Moe final : public Model {
         be.linear(l.k, normed.data(), T, k_new);
         be.linear(l.v, normed.data(), T, v_new);
         be.qk_norm_rope_kv_write(q.data(), q.data(), nq, k_new, v_new, nk, l.q_norm, l.k_norm, eps, rope_,
-                                 step.positions, T, nh, nkv, hd, kv.k(i), kv.v(i));
+                                 step.positions, T, nh, nkv, hd, kv.layer(i));
       }
       trace(name + ".q", q.data(), T, nh * hd);
-      be.attention(q.data(), kv.k(i), kv.v(i), T, step.positions, step.max_context, nh, nkv, hd,
+      be.attention(q.data(), kv.layer(i), T, step.positions, step.max_context, nh, nkv, hd,
                    1.f / std::sqrt(float(hd)), attn.data());
       be.linear_add(l.o, attn.data(), T, x.data());
       trace(name + ".attn_residual", x.data(), T, H);
