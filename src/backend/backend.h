@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/kv_pages.h"
+#include "backend/sampling.h"
 #include "core/hash_random.h"
 #include "model/weights.h"
 
@@ -100,6 +101,10 @@ class Backend {
   // out[r] = index of the largest of x[r, 0..n) (the lowest index on ties): greedy sampling on
   // the device, so a decode step returns 4 bytes instead of a row of logits.
   virtual void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
+  // out[0] = the token backend/sampling.h's sample_logits draws from x[0..n) with *in (both in
+  // this backend's memory): temperature, min-p, top-k, top-p and the draw on the device, so a
+  // sampled decode step also returns 4 bytes.
+  virtual void sample(const float* x, int64_t n, const SampleInputs* in, int32_t* out) = 0;
   // The residual add fused with the next norm: x[r] += delta[r], then out[r] = rms_norm(x[r]) * w.
   virtual void add_rms_norm(const float* delta, float* x, const WeightVector& w, int64_t rows,
                             int64_t dim, float eps, float* out) = 0;

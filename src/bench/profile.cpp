@@ -37,7 +37,7 @@ std::string kernel_category(const std::string& name) {
   if (has("attention")) return "attention";
   if (has("qk_norm_rope")) return "q/k norm + RoPE + KV write";
   if (has("norm") || has("embed") || has("add_kernel") || has("silu")) return "norms, embedding, elementwise";
-  if (has("sample") || has("argmax")) return "sampling";
+  if (has("sample") || has("argmax") || has("RadixSort")) return "sampling";
   return "other";
 }
 

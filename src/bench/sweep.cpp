@@ -66,16 +66,26 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
         }
       }
       if (o.generate_tokens > 0) {
-        // Greedy decoding sampled on the device, as `nibble run` does at temperature 0.
+        // Tokens picked on the device, as `nibble run` does: greedy at temperature 0, else drawn.
+        std::uniform_real_distribution<double> uniform(0, 1);
+        auto decode = [&](int32_t last, int64_t pos) {
+          if (o.temperature == 0) return model.forward_greedy({&last, 1}, pos, kv);
+          SampleInputs in;
+          in.uniform = uniform(rng);
+          in.temperature = o.temperature;
+          in.top_p = o.top_p;
+          in.top_k = o.top_k;
+          return model.forward_sample({&last, 1}, pos, kv, in);
+        };
         int32_t next = token(rng);
         const auto t0 = Clock::now();
-        for (int64_t step = 0; step < o.generate_tokens; ++step) next = model.forward_greedy({&next, 1}, depth + step, kv);
+        for (int64_t step = 0; step < o.generate_tokens; ++step) next = decode(next, depth + step);
         if (keep) tg_tok_s.push_back(double(o.generate_tokens) / seconds_since(t0));
         // After the last repetition's timed steps, the same steps again under a device trace.
         if (rep == o.repetitions && o.profile_steps > 0) {
           if (model.backend().start_trace(&profile_error)) {
             for (int64_t step = 0; step < o.profile_steps; ++step)
-              next = model.forward_greedy({&next, 1}, depth + o.generate_tokens + step, kv);
+              next = decode(next, depth + o.generate_tokens + step);
             profile = profile_steps(model.backend().stop_trace(), o.profile_steps);
           }
         }

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cmath>
 #include <ctime>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -23,6 +24,8 @@ struct BenchOptions {
   int64_t generate = 128;
   int repetitions = 3;
   bool enforce_eager = false, profile = false;
+  float temperature = 0, top_p = 1;
+  int32_t top_k = 0;
   std::vector<std::string> argv;
 };
 
@@ -51,6 +54,11 @@ void bench(const BenchOptions& o) {
   sweep.generate_tokens = o.generate;
   sweep.repetitions = o.repetitions;
   sweep.profile_steps = o.profile ? 16 : 0;
+  sweep.temperature = o.temperature;
+  sweep.top_p = o.top_p;
+  sweep.top_k = o.top_k;
+  NIBBLE_CHECK(std::isfinite(o.temperature) && o.temperature >= 0, "--temperature must be >= 0, got {}", o.temperature);
+  NIBBLE_CHECK(o.top_p > 0 && o.top_p <= 1, "--top-p must be in (0, 1], got {}", o.top_p);
   for (int64_t p : sweep.prompt_tokens) NIBBLE_CHECK(p > 0, "-p: prompt sizes must be positive");
   auto backend = make_backend(o.device);
   LoadOptions load;
@@ -97,7 +105,8 @@ void bench(const BenchOptions& o) {
     j["meta"] = {{"nibble", NIBBLE_VERSION}, {"commit", git_commit()}, {"date", date}, {"device", device},
                  {"model", o.model_dir}, {"model_type", c.model_type}, {"load_format", o.load_format},
                  {"quantization", o.quantization}, {"enforce_eager", o.enforce_eager},
-                 {"kv_cache_dtype", dtype_name(model->kv_dtype())}, {"load_seconds", load_s},
+                 {"kv_cache_dtype", dtype_name(model->kv_dtype())}, {"temperature", o.temperature},
+                 {"top_p", o.top_p}, {"top_k", o.top_k}, {"load_seconds", load_s},
                  {"copy_bandwidth_bytes_per_s", bandwidth}, {"weight_bytes_per_token", weight_bytes},
                  {"kv_bytes_per_context_token", model->kv_bytes_per_context_token()},
                  {"repetitions", o.repetitions}, {"command", o.argv}};
@@ -131,6 +140,9 @@ void add_bench_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("--json", o->json_path, "Also write the results as JSON to this file");
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16) or float32");
+  cmd->add_option("--temperature", o->temperature, "Decode sampling temperature (0: greedy, the default)");
+  cmd->add_option("--top-p", o->top_p, "Decode nucleus mass, with --temperature");
+  cmd->add_option("--top-k", o->top_k, "Decode top-k, with --temperature (0: off)")->check(CLI::NonNegativeNumber);
   cmd->add_flag("--profile", o->profile,
                 "After each decode test, trace 16 more steps on the device and print where a step's time goes");
   cmd->callback([o] { bench(*o); });

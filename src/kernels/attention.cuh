@@ -157,6 +157,23 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
   if (tid == 0) counters[blockIdx.x] = 0;
 }
 
+// Before pdl_wait: fetch into L2 the K/V rows of a split's positions [begin, begin + split) that
+// earlier steps wrote (those before `written`, the token's own position). K/V rows of earlier
+// steps cannot change, and positions and the block table are the step's inputs, copied from the
+// host before the step, never a kernel's output, so reading them here keeps the PDL rule.
+template <int HD, int kThreads, typename T>
+__device__ __forceinline__ void prefetch_split_rows(const T* kbase, const T* vbase, const int32_t* block_table,
+                                                    int block_size_log2, int64_t row_stride, int64_t begin,
+                                                    int64_t split, int64_t written) {
+  constexpr int kPerLine = 128 / int(sizeof(T)), kLines = HD / kPerLine;  // 128-byte lines per row
+  const int64_t rows = ::max(int64_t(0), ::min(split, written - begin));
+  for (int64_t i = threadIdx.x; i < 2 * rows * kLines; i += kThreads) {
+    const int64_t line = i % (rows * kLines), pos = begin + line / kLines;
+    prefetch_l2((i < rows * kLines ? kbase : vbase) + kv_pool_row(block_table, block_size_log2, pos) * row_stride +
+                (line % kLines) * kPerLine);
+  }
+}
+
 // Decode attention on CUDA cores for f32 KV, GQA groups of G <= 8 q heads and head_dim HD (64 or
 // 128). Block (token, kv head, split of SPLIT positions), 256 threads:
 //   1. scores: thread i owns position begin + i and computes its dot product with all G queries
@@ -165,7 +182,7 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
 //   3. output: each thread owns 4 dims and a stride of positions, accumulating all G heads, then
 //      the position groups are summed in shared memory.
 // With one split the output is written directly, else partials merged by the last split block.
-// K/V rows of earlier steps cannot change, so they are prefetched into L2 before pdl_wait.
+// The split's rows are prefetched into L2 before pdl_wait (prefetch_split_rows).
 // Positions per split: 256, and 128 for long contexts (kDecodeLongContext and up), where twice the
 // blocks keep more loads in flight (tg128 at depth 8192: 216 -> 225 tok/s) while at short
 // contexts the extra merge costs more (336 -> 316 at depth 0).
@@ -198,15 +215,8 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
   const float* vbase = v + kv * HD;
   const int64_t begin = split * SPLIT;
   auto row_of = [&](int64_t pos) { return kv_pool_row(block_table, block_size_log2, pos) * row_stride; };
-  // Prefetch this split's K/V rows before the wait: rows before the token's own were written by
-  // earlier steps. positions and the block table are the step's inputs, copied from the host
-  // before the step, never a kernel's output, so reading them here keeps the PDL rule.
-  constexpr int kLines = HD * 4 / 128;  // 128-byte lines per row
-  const int64_t prefetch_rows = ::max(int64_t(0), ::min(int64_t(SPLIT), int64_t(positions[t]) - begin));
-  for (int64_t i = tid; i < 2 * prefetch_rows * kLines; i += kDecodeThreads) {
-    const int64_t line = i % (prefetch_rows * kLines), pos = begin + line / kLines;
-    prefetch_l2((i < prefetch_rows * kLines ? kbase : vbase) + row_of(pos) + (line % kLines) * 32);
-  }
+  prefetch_split_rows<HD, kDecodeThreads>(kbase, vbase, block_table, block_size_log2, row_stride, begin, SPLIT,
+                                          positions[t]);
   pdl_enter();
   const int64_t n_ctx = int64_t(positions[t]) + 1;
   const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT)), count = ::max(int64_t(0), end - begin);
@@ -337,14 +347,8 @@ attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict
   const __half* vbase = v + kv * HD;
   const int64_t begin = split * SPLIT;
   auto row_of = [&](int64_t pos) { return kv_pool_row(block_table, block_size_log2, pos) * row_stride; };
-  {  // L2 prefetch of the rows earlier steps wrote (see attention_decode_kernel)
-    constexpr int kLines = HD * 2 / 128;
-    const int64_t rows = ::max(int64_t(0), ::min(int64_t(SPLIT), int64_t(positions[t]) - begin));
-    for (int64_t i = tid; i < 2 * rows * kLines; i += kThreads) {
-      const int64_t line = i % (rows * kLines), pos = begin + line / kLines;
-      prefetch_l2((i < rows * kLines ? kbase : vbase) + row_of(pos) + (line % kLines) * 64);
-    }
-  }
+  prefetch_split_rows<HD, kThreads>(kbase, vbase, block_table, block_size_log2, row_stride, begin, SPLIT,
+                                    positions[t]);
   pdl_enter();
   const int64_t n_ctx = int64_t(positions[t]) + 1;
   const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT));

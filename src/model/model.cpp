@@ -8,17 +8,23 @@ namespace nibble {
 
 void Model::forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
                     std::vector<float>& logits) {
-  run(tokens, pos0, kv, all_logits, &logits, nullptr);
+  run(tokens, pos0, kv, all_logits, &logits, nullptr, nullptr);
 }
 
 int32_t Model::forward_greedy(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv) {
   int32_t id = -1;
-  run(tokens, pos0, kv, false, nullptr, &id);
+  run(tokens, pos0, kv, false, nullptr, nullptr, &id);
+  return id;
+}
+
+int32_t Model::forward_sample(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, const SampleInputs& in) {
+  int32_t id = -1;
+  run(tokens, pos0, kv, false, nullptr, &in, &id);
   return id;
 }
 
 void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
-                std::vector<float>* logits, int32_t* greedy_id) {
+                std::vector<float>* logits, const SampleInputs* sample, int32_t* token_id) {
   const int64_t T = int64_t(tokens.size()), vocab = config_.vocab_size;
   NIBBLE_CHECK(T > 0, "forward: no tokens");
   NIBBLE_CHECK(pos0 >= 0 && pos0 + T <= kv.max_tokens(), "sequence of {} tokens does not fit the "
@@ -39,10 +45,15 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
     backend_.copy_to_backend(ids.data(), tokens.data(), size_t(T) * 4);
     backend_.copy_to_backend(pos.data(), positions.data(), size_t(T) * 4);
     compute({ids.data<int32_t>(), pos.data<int32_t>(), T, T == 1 ? bucket : pos0 + T, all_logits, out.data()}, kv);
-    if (greedy_id) {
-      Buffer id(backend_, 4);
-      backend_.argmax(out.data(), 1, vocab, id.data<int32_t>());
-      backend_.copy_to_host(greedy_id, id.data(), 4);
+    if (token_id) {
+      Buffer id(backend_, 4), in(backend_, sizeof(SampleInputs));
+      if (sample) {
+        backend_.copy_to_backend(in.data(), sample, sizeof(SampleInputs));
+        backend_.sample(out.data(), vocab, in.data<SampleInputs>(), id.data<int32_t>());
+      } else {
+        backend_.argmax(out.data(), 1, vocab, id.data<int32_t>());
+      }
+      backend_.copy_to_host(token_id, id.data(), 4);
     } else {
       backend_.copy_to_host(logits->data(), out.data(), logits->size() * 4);
     }
@@ -55,16 +66,23 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
     decode_positions_ = Buffer(backend_, 4);
     decode_logits_ = Buffer(backend_, size_t(vocab) * 4);
     decode_token_ = Buffer(backend_, 4);
+    decode_sample_ = Buffer(backend_, sizeof(SampleInputs));
   }
   backend_.copy_to_backend(decode_ids_.data(), tokens.data(), 4);
   backend_.copy_to_backend(decode_positions_.data(), positions.data(), 4);
+  if (sample) backend_.copy_to_backend(decode_sample_.data(), sample, sizeof(SampleInputs));
   const Step step{decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>(), 1, bucket, false,
                   decode_logits_.data()};
-  // Greedy steps record the argmax too: their own graph.
-  const uint64_t key = (id_ << 48) ^ (kv.id() << 24) ^ uint64_t(bucket) ^ (greedy_id ? uint64_t(1) << 47 : 0);
+  // Greedy and sampled steps record the argmax or the draw too: graphs of their own. The draw's
+  // parameters are read from device memory, so one graph serves every request's.
+  const uint64_t key = (id_ << 48) ^ (kv.id() << 24) ^ uint64_t(bucket) ^
+                       (token_id ? uint64_t(sample ? 2 : 1) << 46 : 0);
   auto step_ops = [&] {
     compute(step, kv);
-    if (greedy_id) backend_.argmax(decode_logits_.data(), 1, vocab, decode_token_.data<int32_t>());
+    if (token_id && sample)
+      backend_.sample(decode_logits_.data(), vocab, decode_sample_.data<SampleInputs>(), decode_token_.data<int32_t>());
+    else if (token_id)
+      backend_.argmax(decode_logits_.data(), 1, vocab, decode_token_.data<int32_t>());
   };
   if (!backend_.replay(key)) {
     // A first recording can fail for a passing reason (a table built on first use); a key that
@@ -83,8 +101,8 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
       step_ops();
     }
   }
-  if (greedy_id)
-    backend_.copy_to_host(greedy_id, decode_token_.data(), 4);
+  if (token_id)
+    backend_.copy_to_host(token_id, decode_token_.data(), 4);
   else
     backend_.copy_to_host(logits->data(), decode_logits_.data(), size_t(vocab) * 4);
 }

@@ -45,6 +45,8 @@ class Model {
   // The same step, sampled greedily on the device (argmax of the last token's logits, lowest id
   // on ties): only the token id comes back to the host.
   int32_t forward_greedy(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv);
+  // The same step with the token drawn on the device (Backend::sample with `in`).
+  int32_t forward_sample(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, const SampleInputs& in);
   void set_use_graphs(bool on) { use_graphs_ = on; }
   // A cache for one sequence of up to max_tokens positions, of the model's KV dtype (F16 unless
   // set_kv_dtype chose F32), in blocks of 2^block_size_log2 positions.
@@ -87,11 +89,14 @@ class Model {
   DType kv_dtype_ = DType::F16;
 
  private:
+  // token_id set: the device picks the token (argmax, or the draw with `sample`), only its id
+  // comes back; else the logits do.
   void run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits, std::vector<float>* logits,
-           int32_t* greedy_id);
+           const SampleInputs* sample, int32_t* token_id);
   uint64_t id_;  // unique for the process's life: part of the graph keys
   bool use_graphs_ = true;
-  Buffer decode_ids_, decode_positions_, decode_logits_, decode_token_;  // fixed addresses for recorded steps
+  // Fixed addresses for recorded steps.
+  Buffer decode_ids_, decode_positions_, decode_logits_, decode_token_, decode_sample_;
   std::vector<uint64_t> capture_failures_;  // keys whose recording failed (tried at most twice)
 };
 

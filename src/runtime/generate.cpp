@@ -44,32 +44,39 @@ GenerateResult generate(Model& model, const Tokenizer& tokenizer, const Generate
   result.finish_reason = "length";
   std::string pending;  // decoded text not yet passed to on_token
 
-  // Plain greedy decoding (no penalties, no logprobs) samples on the device: each step returns
-  // the token id, not a row of logits.
+  // Without penalties or logprobs the token is picked on the device (greedy argmax, or the
+  // temperature/top-k/top-p/min-p draw with the request's generator's next number): each step
+  // returns the token id, not a row of logits.
   const SamplingParams& sp = req.sampling;
-  const bool device_greedy = sp.temperature == 0.f && sp.repetition_penalty == 1.f && sp.presence_penalty == 0.f &&
-                             sp.frequency_penalty == 0.f && req.top_logprobs < 0;
+  const bool no_penalties = sp.repetition_penalty == 1.f && sp.presence_penalty == 0.f && sp.frequency_penalty == 0.f;
+  const bool device_greedy = sp.temperature == 0.f && no_penalties && req.top_logprobs < 0;
+  const bool device_sample = sampler.samples_on_device() && req.top_logprobs < 0;
   std::vector<float> logits;
-  int32_t greedy_id = -1;
-  auto t0 = Clock::now();
-  if (budget > 0) {
+  int32_t device_id = -1;
+  auto step_forward = [&](std::span<const int32_t> tokens, int64_t pos0) {
     if (device_greedy)
-      greedy_id = model.forward_greedy(req.prompt, 0, kv);
+      device_id = model.forward_greedy(tokens, pos0, kv);
+    else if (device_sample)
+      device_id = model.forward_sample(tokens, pos0, kv, sampler.next_device_inputs());
     else
-      model.forward(req.prompt, 0, kv, false, logits);
-  }
+      model.forward(tokens, pos0, kv, false, logits);
+  };
+  auto t0 = Clock::now();
+  if (budget > 0) step_forward(req.prompt, 0);
   result.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   auto t1 = Clock::now();
   for (int64_t step = 0; step < budget; ++step) {
     if (step > 0) {
       const int32_t last = result.ids.back();
-      if (device_greedy)
-        greedy_id = model.forward_greedy({&last, 1}, n_prompt + step - 1, kv);
-      else
-        model.forward({&last, 1}, n_prompt + step - 1, kv, false, logits);
+      step_forward({&last, 1}, n_prompt + step - 1);
     }
     GeneratedToken tok;
-    tok.id = device_greedy ? greedy_id : sampler.sample(logits);
+    if (device_greedy || device_sample) {
+      tok.id = device_id;
+      sampler.record(tok.id);
+    } else {
+      tok.id = sampler.sample(logits);
+    }
     if (req.top_logprobs >= 0) {
       tok.logprob = Sampler::logprob_of(logits, tok.id);
       tok.top = Sampler::top_logprobs(logits, req.top_logprobs);

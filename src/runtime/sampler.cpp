@@ -1,6 +1,7 @@
 #include "runtime/sampler.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <numeric>
 
@@ -39,6 +40,25 @@ Sampler::Sampler(const SamplingParams& params, std::span<const int32_t> prompt) 
   for (auto& w : state_) w = splitmix64(s);
 }
 
+SampleInputs Sampler::device_inputs(double uniform) const {
+  SampleInputs in;
+  in.uniform = uniform;
+  in.temperature = p_.temperature;
+  in.top_p = p_.top_p;
+  in.min_p = p_.min_p;
+  in.top_k = int32_t(std::min<int64_t>(std::max<int64_t>(p_.top_k, 0), INT32_MAX));
+  return in;
+}
+
+SampleInputs Sampler::next_device_inputs() { return device_inputs(uniform()); }
+
+bool Sampler::samples_on_device() const {
+  return p_.temperature > 0.f && p_.repetition_penalty == 1.f && p_.presence_penalty == 0.f &&
+         p_.frequency_penalty == 0.f;
+}
+
+void Sampler::record(int32_t id) { ++output_counts_[id]; }
+
 double Sampler::uniform() {
   const uint64_t result = rotl(state_[1] * 5, 7) * 9;
   const uint64_t t = state_[1] << 17;
@@ -69,56 +89,9 @@ int32_t Sampler::sample(std::span<const float> logits) {
     work_[size_t(id)] -= p_.frequency_penalty * float(n) + p_.presence_penalty;
   }
 
-  int32_t chosen;
-  if (p_.temperature == 0.f) {
-    chosen = int32_t(std::max_element(work_.begin(), work_.end()) - work_.begin());
-  } else {
-    // Softmax at temperature, then filter: min-p against the best probability, top-k, top-p.
-    const float mx = *std::max_element(work_.begin(), work_.end());
-    for (auto& l : work_) l = std::exp((l - mx) / p_.temperature);
-    order_.resize(size_t(vocab));
-    std::iota(order_.begin(), order_.end(), 0);
-    int64_t keep = vocab;
-    if (p_.top_k > 0) keep = std::min(keep, p_.top_k);
-    auto by_prob = [&](int32_t a, int32_t b) {
-      return work_[size_t(a)] > work_[size_t(b)] || (work_[size_t(a)] == work_[size_t(b)] && a < b);
-    };
-    if (keep < vocab) {
-      std::partial_sort(order_.begin(), order_.begin() + keep, order_.end(), by_prob);
-    } else {
-      std::sort(order_.begin(), order_.end(), by_prob);
-    }
-    order_.resize(size_t(keep));
-    if (p_.min_p > 0) {
-      const float threshold = p_.min_p * work_[size_t(order_[0])];
-      while (order_.size() > 1 && work_[size_t(order_.back())] < threshold) order_.pop_back();
-    }
-    double kept = 0;
-    for (int32_t id : order_) kept += work_[size_t(id)];
-    if (p_.top_p < 1.f) {  // smallest prefix whose mass reaches top_p (of the kept mass)
-      // The relative slack makes an exact tie (probabilities 0.5 + 0.3 and top_p 0.8) keep the
-      // nucleus the user meant, not one more token that only float rounding let in.
-      const double target = double(p_.top_p) * kept * (1 - 1e-6);
-      double acc = 0;
-      size_t n = 0;
-      while (n < order_.size()) {
-        acc += work_[size_t(order_[n++])];
-        if (acc >= target) break;
-      }
-      order_.resize(n);
-      kept = acc;
-    }
-    const double r = uniform() * kept;
-    double acc = 0;
-    chosen = order_.back();
-    for (int32_t id : order_) {
-      acc += work_[size_t(id)];
-      if (r < acc) {
-        chosen = id;
-        break;
-      }
-    }
-  }
+  const int32_t chosen = p_.temperature == 0.f
+                             ? int32_t(std::max_element(work_.begin(), work_.end()) - work_.begin())
+                             : sample_logits(work_, device_inputs(uniform()), probs_, order_);
   ++output_counts_[chosen];
   return chosen;
 }

@@ -11,6 +11,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backend/sampling.h"
+
 namespace nibble {
 
 struct SamplingParams {
@@ -38,6 +40,12 @@ class Sampler {
 
   // Picks the next token from logits[vocab]. Records it as output (for penalties).
   int32_t sample(std::span<const float> logits);
+  // Sampling on the device (Backend::sample) where nothing needs the host: temperature > 0 and no
+  // penalties. Then next_device_inputs() gives the draw's inputs (advancing the generator as
+  // sample() would) and record() notes the token the device picked.
+  bool samples_on_device() const;
+  SampleInputs next_device_inputs();
+  void record(int32_t id);
 
   // log-softmax of raw logits: the chosen token's logprob and the top `k` (vLLM's logprobs, which
   // are those of the model's distribution before any sampling parameter is applied).
@@ -46,10 +54,11 @@ class Sampler {
 
  private:
   double uniform();  // [0, 1)
+  SampleInputs device_inputs(double uniform) const;
   SamplingParams p_;
   std::unordered_map<int32_t, int32_t> prompt_counts_, output_counts_;
   uint64_t state_[4];
-  std::vector<float> work_;
+  std::vector<float> work_, probs_;
   std::vector<int32_t> order_;
 };
 

@@ -181,6 +181,12 @@ TEST_F(CliTest, BenchReportsTheSweepAsTableAndJson) {
   EXPECT_EQ(j32["meta"]["kv_cache_dtype"], "F32");
   EXPECT_EQ(j32["meta"]["kv_bytes_per_context_token"].get<int64_t>(),
             2 * j["meta"]["kv_bytes_per_context_token"].get<int64_t>());
+  // Decode drawn with temperature and top-p instead of greedy.
+  r = run_nibble("bench -m " + fixture("tiny-qwen3-moe-int4-g32") + " -p 8 -n 4 -r 1 --temperature 0.7 --top-p 0.9 --json " +
+                 json32);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FLOAT_EQ(nlohmann::json::parse(std::ifstream(json32))["meta"]["temperature"].get<float>(), 0.7f);
+  expect_error(run_nibble("bench -m " + fixture("tiny-qwen3") + " --temperature -1"), {"--temperature"});
   expect_error(run_nibble("bench -m " + fixture("tiny-qwen3") + " --kv-cache-dtype int8"), {"--kv-cache-dtype", "int8"});
   expect_error(run_nibble("run -m " + fixture("tiny-qwen3") + " --prompt hi --kv-cache-dtype f8"), {"--kv-cache-dtype"});
   expect_error(run_nibble("bench -m " + fixture("tiny-qwen3") + " -p 8,x"), {"-p", "'x'"});

@@ -72,6 +72,28 @@ TEST_F(GenerateTest, SeededSamplingIsReproducible) {
   EXPECT_NE(a.ids, c.ids);
 }
 
+// Without penalties or logprobs the token is drawn by Backend::sample (on the device where there
+// is one); with logprobs the logits come back and runtime/Sampler draws on the host. Both walk the
+// same generator, so the same seed gives the same tokens, for every filter.
+TEST_F(GenerateTest, DeviceSamplingMatchesHostSampling) {
+  for (auto [temperature, top_k, top_p, min_p] :
+       {std::tuple<float, int64_t, float, float>{1.0f, 0, 1.f, 0.f}, {0.7f, 20, 1.f, 0.f}, {1.3f, 0, 0.9f, 0.f},
+        {0.9f, 50, 0.8f, 0.05f}}) {
+    GenerateRequest req;
+    req.max_new_tokens = 24;
+    req.sampling.temperature = temperature;
+    req.sampling.top_k = top_k;
+    req.sampling.top_p = top_p;
+    req.sampling.min_p = min_p;
+    req.sampling.seed = 7;
+    const GenerateResult device = gen(req);
+    req.top_logprobs = 0;  // logits to the host: runtime/Sampler draws
+    const GenerateResult host = gen(req);
+    EXPECT_EQ(device.ids, host.ids) << "temperature " << temperature << ", top_k " << top_k << ", top_p " << top_p
+                                    << ", min_p " << min_p;
+  }
+}
+
 TEST_F(GenerateTest, ContextLimits) {
   GenerateRequest req;
   req.prompt = {1, 2, 3, 4, 5};

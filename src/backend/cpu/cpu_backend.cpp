@@ -270,6 +270,12 @@ class CpuBackend final : public Backend {
   void add(const float* x, int64_t count, float* y) override {
     for (int64_t i = 0; i < count; ++i) y[i] += x[i];
   }
+  void sample(const float* x, int64_t n, const SampleInputs* in, int32_t* out) override {
+    std::vector<float> work;
+    std::vector<int32_t> order;
+    *out = sample_logits({x, size_t(n)}, *in, work, order);
+  }
+
   void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
     for (int64_t r = 0; r < rows; ++r) out[r] = int32_t(std::max_element(x + r * n, x + (r + 1) * n) - (x + r * n));
   }

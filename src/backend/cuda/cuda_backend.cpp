@@ -522,6 +522,13 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH("argmax");
   }
 
+  void sample(const float* x, int64_t n, const SampleInputs* in, int32_t* out) override {
+    OpProfiler::Scope scope(profiler_, "sample");
+    Buffer scratch(*this, size_t(cuda::sample_scratch_bytes(n)));
+    cuda::sample(x, n, in, out, scratch.data());
+    CUDA_CHECK_LAUNCH("sample");
+  }
+
   void add(const float* x, int64_t count, float* y) override {
     OpProfiler::Scope scope(profiler_, "add");
     cuda::add(x, count, y);

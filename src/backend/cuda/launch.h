@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "backend/kv_pages.h"
+#include "backend/sampling.h"
 
 namespace nibble::cuda {
 
@@ -90,6 +91,9 @@ void add(const float* x, int64_t count, float* y);
 // Row-wise arg-max (lowest index on ties); scratch: argmax_scratch_bytes(rows) of device memory.
 int64_t argmax_scratch_bytes(int64_t rows);
 void argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch);
+// Backend::sample for one row of n logits (sampling.cu); scratch: sample_scratch_bytes(n) bytes.
+int64_t sample_scratch_bytes(int64_t n);
+void sample(const float* x, int64_t n, const SampleInputs* in, int32_t* out, void* scratch);
 void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k, bool normalize,
                int32_t* ids, float* weights);
 void gather_rows(const float* src, const int32_t* rows, int64_t n_rows, int64_t dim, float* dst);
