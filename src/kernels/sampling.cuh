@@ -4,9 +4,10 @@
 //   2. sample_weights_kernel: the softmax numerators exp((x - max) / T) and the token ids;
 //   3. a stable radix sort by weight, descending (CUB): ties stay in ascending id order, the
 //      reference's candidate order;
-//   4. sample_draw_kernel (one block): top-k, min-p, the kept mass, the top-p prefix and the draw,
-//      each prefix found by a block-wide scan in f64 (the reference sums in f64) that stops at the
-//      first chunk reaching its target, so a peaked distribution reads a few chunks, not the row.
+//   4. sample_chunk_sums_kernel: f64 sums of the sorted weights per chunk of 1024;
+//   5. sample_draw_kernel (one block): top-k, min-p, the kept mass, the top-p prefix and the draw,
+//      each prefix found by a two-level block scan in f64 (the reference sums in f64): over the
+//      chunk sums, then within the chunk that reaches the target.
 // The parameters (and the uniform number) are read from device memory: a recorded step serves
 // every request's parameters.
 #pragma once
@@ -41,37 +42,71 @@ __global__ void sample_weights_kernel(const float* __restrict__ x, int64_t n, co
   ids[i] = int32_t(i);
 }
 
-// The first i in [0, count) whose inclusive prefix sum of w (f64) satisfies `hit`, with that prefix;
-// (-1, total) when none does. Called by every thread of the block.
+// Sums of the sorted weights per chunk of kSampleThreads (f64), one block per chunk: the first
+// level of sample_first_prefix's search.
+__global__ void __launch_bounds__(kSampleThreads) sample_chunk_sums_kernel(const float* __restrict__ w, int64_t n,
+                                                                           double* __restrict__ chunk_sums) {
+  using Reduce = cub::BlockReduce<double, kSampleThreads>;
+  __shared__ typename Reduce::TempStorage temp;
+  const int64_t i = int64_t(blockIdx.x) * kSampleThreads + threadIdx.x;
+  const double sum = Reduce(temp).Sum(i < n ? double(w[i]) : 0.0);
+  if (threadIdx.x == 0) chunk_sums[blockIdx.x] = sum;
+}
+
+// The first i in [0, count) whose inclusive prefix sum of w (f64) satisfies `hit` (monotone: false
+// then true), with that prefix; (-1, total) when none does. Two levels: a block scan over the
+// chunks' sums (the last, partial chunk summed here) finds the chunk, a scan within it the index.
+// Called by every thread of the block; count <= kSampleThreads² (sample_max_vocab).
 template <typename Hit>
-__device__ void sample_first_prefix(const float* __restrict__ w, int64_t count, Hit hit, int64_t& index,
-                                    double& prefix) {
+__device__ void sample_first_prefix(const float* __restrict__ w, const double* __restrict__ chunk_sums,
+                                    int64_t count, Hit hit, int64_t& index, double& prefix) {
   using Scan = cub::BlockScan<double, kSampleThreads>;
-  __shared__ typename Scan::TempStorage temp;
-  __shared__ double s_carry, s_prefix;
-  __shared__ int64_t s_index;
-  if (threadIdx.x == 0) s_carry = 0, s_index = -1;
-  __syncthreads();
-  for (int64_t c0 = 0; c0 < count; c0 += kSampleThreads) {
-    const int64_t i = c0 + threadIdx.x;
-    double v = i < count ? double(w[i]) : 0.0, incl;
-    Scan(temp).InclusiveSum(v, incl);
-    incl += s_carry;
-    const bool mine = i < count && hit(incl);
-    // The lowest hitting index of the chunk: prefix sums grow with i, so hits are a suffix.
-    const bool first = mine && (threadIdx.x == 0 || !hit(incl - v));
-    __syncthreads();  // everyone has read s_carry
-    if (first) s_index = i, s_prefix = incl;
-    if (threadIdx.x == kSampleThreads - 1) s_carry = incl;
+  using Reduce = cub::BlockReduce<double, kSampleThreads>;
+  __shared__ union {
+    typename Scan::TempStorage scan;
+    typename Reduce::TempStorage reduce;
+  } temp;
+  __shared__ double s_partial, s_carry, s_chunk_sum, s_prefix, s_total;
+  __shared__ int64_t s_chunk, s_index;
+  const int64_t n_chunks = (count + kSampleThreads - 1) / kSampleThreads, last = n_chunks - 1;
+  const int tid = threadIdx.x;
+  // The last chunk may be cut by count (top-k, min-p, top-p): sum its first elements here.
+  {
+    const int64_t i = last * kSampleThreads + tid;
+    const double partial = Reduce(temp.reduce).Sum(i < count ? double(w[i]) : 0.0);
+    if (tid == 0) s_partial = partial, s_chunk = -1, s_index = -1;
     __syncthreads();
-    if (s_index >= 0) break;
   }
-  index = s_index;
-  prefix = s_index >= 0 ? s_prefix : s_carry;
+  double v = tid < n_chunks ? (tid == last ? s_partial : chunk_sums[tid]) : 0.0, incl;
+  Scan(temp.scan).InclusiveSum(v, incl);
+  if (tid < n_chunks && hit(incl) && (tid == 0 || !hit(incl - v))) s_chunk = tid, s_carry = incl - v, s_chunk_sum = v;
+  if (tid == kSampleThreads - 1) s_total = incl;
+  __syncthreads();
+  if (s_chunk < 0) {
+    index = -1;
+    prefix = s_total;
+    return;
+  }
+  const int64_t i = s_chunk * kSampleThreads + tid;
+  const double x = i < count ? double(w[i]) : 0.0;
+  double within;
+  __syncthreads();  // temp is reused
+  Scan(temp.scan).InclusiveSum(x, within);
+  within += s_carry;
+  if (i < count && hit(within) && (tid == 0 || !hit(within - x))) s_index = i, s_prefix = within;
+  __syncthreads();
+  if (s_index >= 0) {
+    index = s_index;
+    prefix = s_prefix;
+  } else {  // the chunk's sum reached the target but its scan, rounded another way, fell short by an ulp
+    index = ::min(count, (s_chunk + 1) * kSampleThreads) - 1;
+    prefix = s_carry + s_chunk_sum;
+  }
 }
 
 // w / ids sorted by weight, descending, ties by ascending id.
 __global__ void __launch_bounds__(kSampleThreads) sample_draw_kernel(const float* __restrict__ w,
+                                                                     const double* __restrict__ chunk_sums,
                                                                      const int32_t* __restrict__ ids, int64_t n,
                                                                      const SampleInputs* __restrict__ in,
                                                                      int32_t* __restrict__ out) {
@@ -89,14 +124,14 @@ __global__ void __launch_bounds__(kSampleThreads) sample_draw_kernel(const float
     __syncthreads();
     keep = max(int64_t(1), s_first_below);
   }
-  sample_first_prefix(w, keep, [](double) { return false; }, index, kept);  // the kept mass
+  sample_first_prefix(w, chunk_sums, keep, [](double) { return false; }, index, kept);  // the kept mass
   if (p.top_p < 1.f) {
     const double target = double(p.top_p) * kept * (1 - 1e-6);
-    sample_first_prefix(w, keep, [target](double s) { return s >= target; }, index, kept);
+    sample_first_prefix(w, chunk_sums, keep, [target](double s) { return s >= target; }, index, kept);
     if (index >= 0) keep = index + 1;
   }
   const double r = p.uniform * kept;
-  sample_first_prefix(w, keep, [r](double s) { return r < s; }, index, kept);
+  sample_first_prefix(w, chunk_sums, keep, [r](double s) { return r < s; }, index, kept);
   if (threadIdx.x == 0) *out = ids[index >= 0 ? index : keep - 1];
 }
 

@@ -524,6 +524,7 @@ class CudaBackend final : public Backend {
 
   void sample(const float* x, int64_t n, const SampleInputs* in, int32_t* out) override {
     OpProfiler::Scope scope(profiler_, "sample");
+    NIBBLE_CHECK(n <= cuda::kSampleMaxVocab, "sample: a vocabulary of {} exceeds {}", n, cuda::kSampleMaxVocab);
     Buffer scratch(*this, size_t(cuda::sample_scratch_bytes(n)));
     cuda::sample(x, n, in, out, scratch.data());
     CUDA_CHECK_LAUNCH("sample");

@@ -91,7 +91,9 @@ void add(const float* x, int64_t count, float* y);
 // Row-wise arg-max (lowest index on ties); scratch: argmax_scratch_bytes(rows) of device memory.
 int64_t argmax_scratch_bytes(int64_t rows);
 void argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch);
-// Backend::sample for one row of n logits (sampling.cu); scratch: sample_scratch_bytes(n) bytes.
+// Backend::sample for one row of n <= kSampleMaxVocab logits (sampling.cu); scratch:
+// sample_scratch_bytes(n) bytes.
+constexpr int64_t kSampleMaxVocab = 1024 * 1024;
 int64_t sample_scratch_bytes(int64_t n);
 void sample(const float* x, int64_t n, const SampleInputs* in, int32_t* out, void* scratch);
 void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k, bool normalize,

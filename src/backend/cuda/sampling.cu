@@ -10,8 +10,10 @@
 namespace nibble::cuda {
 
 namespace {
-// Scratch layout: max (16 B), weights and ids, sorted weights and ids, then CUB's temporary storage.
+// Scratch layout: max (16 B), weights and ids, sorted weights and ids, chunk sums, then CUB's
+// temporary storage.
 size_t align16(size_t b) { return (b + 15) / 16 * 16; }
+int64_t n_chunks(int64_t n) { return (n + kernels::kSampleThreads - 1) / kernels::kSampleThreads; }
 size_t radix_temp_bytes(int64_t n) {
   size_t bytes = 0;
   cub::DeviceRadixSort::SortPairsDescending(nullptr, bytes, static_cast<const float*>(nullptr),
@@ -22,7 +24,7 @@ size_t radix_temp_bytes(int64_t n) {
 }  // namespace
 
 int64_t sample_scratch_bytes(int64_t n) {
-  return int64_t(16 + 4 * align16(size_t(n) * 4) + radix_temp_bytes(n));
+  return int64_t(16 + 4 * align16(size_t(n) * 4) + align16(size_t(n_chunks(n)) * 8) + radix_temp_bytes(n));
 }
 
 void sample(const float* x, int64_t n, const SampleInputs* in, int32_t* out, void* scratch) {
@@ -33,13 +35,15 @@ void sample(const float* x, int64_t n, const SampleInputs* in, int32_t* out, voi
   int32_t* ids = reinterpret_cast<int32_t*>(base + 16 + row);
   float* w_sorted = reinterpret_cast<float*>(base + 16 + 2 * row);
   int32_t* ids_sorted = reinterpret_cast<int32_t*>(base + 16 + 3 * row);
-  void* temp = base + 16 + 4 * row;
+  double* chunk_sums = reinterpret_cast<double*>(base + 16 + 4 * row);
+  void* temp = base + 16 + 4 * row + align16(size_t(n_chunks(n)) * 8);
   size_t temp_bytes = radix_temp_bytes(n);
   kernels::sample_max_kernel<<<1, kernels::kSampleThreads>>>(x, n, max_value);
   kernels::sample_weights_kernel<<<unsigned((n + 255) / 256), 256>>>(x, n, max_value, in, w, ids);
   cub::DeviceRadixSort::SortPairsDescending(temp, temp_bytes, w, w_sorted, ids, ids_sorted, int(n), 0, 32,
                                             cudaStreamPerThread);
-  kernels::sample_draw_kernel<<<1, kernels::kSampleThreads>>>(w_sorted, ids_sorted, n, in, out);
+  kernels::sample_chunk_sums_kernel<<<unsigned(n_chunks(n)), kernels::kSampleThreads>>>(w_sorted, n, chunk_sums);
+  kernels::sample_draw_kernel<<<1, kernels::kSampleThreads>>>(w_sorted, chunk_sums, ids_sorted, n, in, out);
 }
 
 }  // namespace nibble::cuda
