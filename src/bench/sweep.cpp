@@ -40,6 +40,9 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
                                    *std::max_element(o.prompt_tokens.begin(), o.prompt_tokens.end()));
   std::vector<SweepResult> results;
   std::vector<float> logits;
+  SamplingParams sampling = o.sampling;
+  sampling.seed = o.seed;
+  Sampler sampler(sampling, {});
   for (int64_t depth : o.depths) {
     std::vector<std::vector<double>> pp_tok_s(o.prompt_tokens.size()), pp_ttft(o.prompt_tokens.size());
     std::vector<double> tg_tok_s;
@@ -67,15 +70,9 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
       }
       if (o.generate_tokens > 0) {
         // Tokens picked on the device, as `nibble run` does: greedy at temperature 0, else drawn.
-        std::uniform_real_distribution<double> uniform(0, 1);
         auto decode = [&](int32_t last, int64_t pos) {
-          if (o.temperature == 0) return model.forward_greedy({&last, 1}, pos, kv);
-          SampleInputs in;
-          in.uniform = uniform(rng);
-          in.temperature = o.temperature;
-          in.top_p = o.top_p;
-          in.top_k = o.top_k;
-          return model.forward_sample({&last, 1}, pos, kv, in);
+          if (o.sampling.temperature == 0) return model.forward_greedy({&last, 1}, pos, kv);
+          return model.forward_sample({&last, 1}, pos, kv, sampler.next_device_inputs());
         };
         int32_t next = token(rng);
         const auto t0 = Clock::now();

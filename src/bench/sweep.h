@@ -11,6 +11,7 @@
 
 #include "bench/profile.h"
 #include "model/model.h"
+#include "runtime/sampler.h"
 
 namespace nibble {
 
@@ -22,9 +23,8 @@ struct SweepOptions {
   uint64_t seed = 42;
   int64_t profile_steps = 0;  // > 0: trace this many more decode steps at each depth (--profile)
   // Decode sampling: temperature 0 is greedy (argmax on the device), else the device draw with
-  // these filters (backend/sampling.h).
-  float temperature = 0, top_p = 1;
-  int32_t top_k = 0;
+  // these filters (backend/sampling.h); penalties are not applied.
+  SamplingParams sampling{.temperature = 0};
 };
 
 struct SweepResult {

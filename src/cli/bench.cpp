@@ -54,9 +54,9 @@ void bench(const BenchOptions& o) {
   sweep.generate_tokens = o.generate;
   sweep.repetitions = o.repetitions;
   sweep.profile_steps = o.profile ? 16 : 0;
-  sweep.temperature = o.temperature;
-  sweep.top_p = o.top_p;
-  sweep.top_k = o.top_k;
+  sweep.sampling.temperature = o.temperature;
+  sweep.sampling.top_p = o.top_p;
+  sweep.sampling.top_k = o.top_k;
   NIBBLE_CHECK(std::isfinite(o.temperature) && o.temperature >= 0, "--temperature must be >= 0, got {}", o.temperature);
   NIBBLE_CHECK(o.top_p > 0 && o.top_p <= 1, "--top-p must be in (0, 1], got {}", o.top_p);
   for (int64_t p : sweep.prompt_tokens) NIBBLE_CHECK(p > 0, "-p: prompt sizes must be positive");

@@ -315,10 +315,9 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
 //     n-tile nt column n is dim HD / 8 · n + nt; a byte permute pairs two positions' halves.
 // No shared memory in the loop and no __syncthreads; the warps' (max, sum, O) are merged through
 // shared memory at the end, then the split partial or, with one split, the output is written.
-// WARPS (4 or 8) and ROWS (16, or 8 where the group fits: half the shared memory of the warp
-// merge) are template parameters for tuning.
+// WARPS 8 with ROWS 8 (groups up to 8), or WARPS 4 with ROWS 16 (groups up to 16: the warp merge's
+// shared memory is WARPS x ROWS x HD floats).
 constexpr int kDecodeTcTile = 16, kDecodeTcRows = 16;
-constexpr int kDecodeTcMinSplit = 64;  // 4 warps x one tile
 constexpr int kDecodeTcMergeChunk = 64;
 
 template <int HD, int SPLIT, int WARPS, int ROWS>
@@ -417,30 +416,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict
         s[j][c] = x;
         mx[c / 2] = fmaxf(mx[c / 2], x);
       }
-    float base[2], alpha[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(row_m[r], quad_max(mx[r]));
-      base[r] = m_new == -kInf ? 0.f : m_new;
-      alpha[r] = exp2f(row_m[r] - base[r]);
-      row_m[r] = m_new;
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        s[j][c] = exp2f(s[j][c] - base[c / 2]);
-        sum[c / 2] += s[j][c];
-      }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) row_l[r] = row_l[r] * alpha[r] + sum[r];
-#pragma unroll
-    for (int d = 0; d < kDimsPerGroup; ++d) {
-      o[d][0] *= alpha[0];
-      o[d][1] *= alpha[0];
-      o[d][2] *= alpha[1];
-      o[d][3] *= alpha[1];
-    }
+    online_softmax_tile(s, mx, row_m, row_l, o);
     const uint32_t a[4] = {pack_f16x2(s[0][0], s[0][1]), pack_f16x2(s[0][2], s[0][3]), pack_f16x2(s[1][0], s[1][1]),
                            pack_f16x2(s[1][2], s[1][3])};
 #pragma unroll

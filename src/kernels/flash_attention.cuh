@@ -196,30 +196,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
         s[nt][c] = x;
         mx[c / 2] = fmaxf(mx[c / 2], x);
       }
-    float base[2], alpha[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(row_m[h], quad_max(mx[h]));
-      base[h] = m_new == -kInf ? 0.f : m_new;  // a row with nothing unmasked yet: keep exp2 finite
-      alpha[h] = exp2f(row_m[h] - base[h]);    // 0 on the first tile (row_m = -inf)
-      row_m[h] = m_new;
-    }
-#pragma unroll
-    for (int nt = 0; nt < kFlashBN / 8; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        s[nt][c] = exp2f(s[nt][c] - base[c / 2]);
-        sum[c / 2] += s[nt][c];
-      }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) row_l[h] = row_l[h] * alpha[h] + sum[h];
-#pragma unroll
-    for (int d = 0; d < HD / 8; ++d) {
-      o[d][0] *= alpha[0];
-      o[d][1] *= alpha[0];
-      o[d][2] *= alpha[1];
-      o[d][3] *= alpha[1];
-    }
+    online_softmax_tile(s, mx, row_m, row_l, o);
 
     // O += P·V, P from the accumulators: k-step kk covers n-tiles 2kk (k 0..7) and 2kk + 1 (8..15).
 #pragma unroll

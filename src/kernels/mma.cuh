@@ -93,6 +93,40 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// One tile of FlashAttention-2's online softmax on mma C fragments: s[nt] holds this thread's
+// scores (log2 units, masked ones -inf) of rows g (elements 0, 1) and g + 8 (2, 3), mx their
+// per-thread row maxima. Updates the running row max and sum (row_l stays per thread; quad-sum it
+// at the end), turns s into the numerators exp2(s - max) and rescales the output fragments o.
+template <int NT, int DT>
+__device__ __forceinline__ void online_softmax_tile(float (&s)[NT][4], const float (&mx)[2], float (&row_m)[2],
+                                                    float (&row_l)[2], float (&o)[DT][4]) {
+  constexpr float kInf = __builtin_huge_valf();
+  float base[2], alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(row_m[r], quad_max(mx[r]));
+    base[r] = m_new == -kInf ? 0.f : m_new;  // a row with nothing unmasked yet: keep exp2 finite
+    alpha[r] = exp2f(row_m[r] - base[r]);    // 0 on the first tile (row_m = -inf)
+    row_m[r] = m_new;
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      s[nt][c] = exp2f(s[nt][c] - base[c / 2]);
+      sum[c / 2] += s[nt][c];
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) row_l[r] = row_l[r] * alpha[r] + sum[r];
+#pragma unroll
+  for (int d = 0; d < DT; ++d) {
+    o[d][0] *= alpha[0];
+    o[d][1] *= alpha[0];
+    o[d][2] *= alpha[1];
+    o[d][3] *= alpha[1];
+  }
+}
+
 __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);

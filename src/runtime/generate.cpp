@@ -47,19 +47,16 @@ GenerateResult generate(Model& model, const Tokenizer& tokenizer, const Generate
   // Without penalties or logprobs the token is picked on the device (greedy argmax, or the
   // temperature/top-k/top-p/min-p draw with the request's generator's next number): each step
   // returns the token id, not a row of logits.
-  const SamplingParams& sp = req.sampling;
-  const bool no_penalties = sp.repetition_penalty == 1.f && sp.presence_penalty == 0.f && sp.frequency_penalty == 0.f;
-  const bool device_greedy = sp.temperature == 0.f && no_penalties && req.top_logprobs < 0;
-  const bool device_sample = sampler.samples_on_device() && req.top_logprobs < 0;
+  const bool on_device = sampler.picks_on_device() && req.top_logprobs < 0;
   std::vector<float> logits;
   int32_t device_id = -1;
   auto step_forward = [&](std::span<const int32_t> tokens, int64_t pos0) {
-    if (device_greedy)
-      device_id = model.forward_greedy(tokens, pos0, kv);
-    else if (device_sample)
-      device_id = model.forward_sample(tokens, pos0, kv, sampler.next_device_inputs());
-    else
+    if (!on_device)
       model.forward(tokens, pos0, kv, false, logits);
+    else if (sampler.temperature() == 0.f)
+      device_id = model.forward_greedy(tokens, pos0, kv);
+    else
+      device_id = model.forward_sample(tokens, pos0, kv, sampler.next_device_inputs());
   };
   auto t0 = Clock::now();
   if (budget > 0) step_forward(req.prompt, 0);
@@ -71,7 +68,7 @@ GenerateResult generate(Model& model, const Tokenizer& tokenizer, const Generate
       step_forward({&last, 1}, n_prompt + step - 1);
     }
     GeneratedToken tok;
-    if (device_greedy || device_sample) {
+    if (on_device) {
       tok.id = device_id;
       sampler.record(tok.id);
     } else {

@@ -52,9 +52,8 @@ SampleInputs Sampler::device_inputs(double uniform) const {
 
 SampleInputs Sampler::next_device_inputs() { return device_inputs(uniform()); }
 
-bool Sampler::samples_on_device() const {
-  return p_.temperature > 0.f && p_.repetition_penalty == 1.f && p_.presence_penalty == 0.f &&
-         p_.frequency_penalty == 0.f;
+bool Sampler::picks_on_device() const {
+  return p_.repetition_penalty == 1.f && p_.presence_penalty == 0.f && p_.frequency_penalty == 0.f;
 }
 
 void Sampler::record(int32_t id) { ++output_counts_[id]; }

@@ -40,10 +40,11 @@ class Sampler {
 
   // Picks the next token from logits[vocab]. Records it as output (for penalties).
   int32_t sample(std::span<const float> logits);
-  // Sampling on the device (Backend::sample) where nothing needs the host: temperature > 0 and no
-  // penalties. Then next_device_inputs() gives the draw's inputs (advancing the generator as
-  // sample() would) and record() notes the token the device picked.
-  bool samples_on_device() const;
+  // Whether the device can pick the token (Backend::argmax at temperature 0, else Backend::sample):
+  // nothing needs the host, i.e. no penalties. Then next_device_inputs() gives a draw's inputs
+  // (advancing the generator as sample() would) and record() notes the token the device picked.
+  bool picks_on_device() const;
+  float temperature() const { return p_.temperature; }
   SampleInputs next_device_inputs();
   void record(int32_t id);
 

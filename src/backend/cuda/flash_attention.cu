@@ -26,17 +26,13 @@ bool flash_attention(const float* q, const KvPages& kv, float* out, int64_t m, c
                                                     kv.block_table, kv.block_size_log2, out, positions, int(m),
                                                     int(n_head), int(n_head_kv), group, scale_log2);
   };
-  auto with_type = [&](auto element) {
+  kernels::with_kv_element(kv.dtype, [&](auto element) {
     using T = decltype(element);
     if (head_dim == 64)
       go(kernels::flash_attention_prefill_kernel<64, T>, element, kernels::FlashTile<64>::kSmemBytes);
     else
       go(kernels::flash_attention_prefill_kernel<128, T>, element, kernels::FlashTile<128>::kSmemBytes);
-  };
-  if (kv.dtype == DType::F16)
-    with_type(__half());
-  else
-    with_type(float());
+  });
   return true;
 }
 

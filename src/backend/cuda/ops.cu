@@ -2,7 +2,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <initializer_list>
 #include <cstdlib>
 #include <type_traits>
 #include <unordered_map>
@@ -281,8 +280,9 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
 }
 
 int64_t attention_partial_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim) {
-  const int64_t n_splits = (max_context + kernels::kDecodeTcMinSplit - 1) / kernels::kDecodeTcMinSplit;
-  return m * n_head * n_splits * kernels::decode_partial_stride(head_dim);  // the smallest split of both kernels
+  // The smaller split of the two kernels: the f32 kernel's long-context split (asserted below).
+  const int64_t n_splits = (max_context + kernels::kDecodeSplitLong - 1) / kernels::kDecodeSplitLong;
+  return m * n_head * n_splits * kernels::decode_partial_stride(head_dim);
 }
 
 bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int64_t head_dim, DType kv_dtype) {
@@ -291,27 +291,14 @@ bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int
          m * n_head_kv <= kAttentionMaxPairs;
 }
 
-// Positions per split and warps per block of the tensor-core kernel, as measured (H100, tg128,
-// tok/s at depths 0 / 8192 / 16384; split/warps): 256/4 371 / 273 / 235, 256/8 369 / 294 / 240,
-// 512/8 367 / 289 / 267, 128/8 370 / 261 / 211; and with 4 warps 64 / 128 / 256 / 512 gave 333 /
-// 365 / 366 / 364 at depth 0. Fewer splits merge fewer partials, more warps keep more loads in
-// flight: 8 warps, 256 positions, 512 beyond a 12K context. NIBBLE_DECODE_SPLIT (64, 128, 256,
-// 512) and NIBBLE_DECODE_WARPS (4, 8) override them, for tuning on the device.
-static int env_choice(const char* name, std::initializer_list<int> allowed, int fallback) {
-  const char* env = std::getenv(name);
-  const int v = env ? std::atoi(env) : 0;
-  for (int a : allowed)
-    if (v == a) return v;
-  return fallback;
-}
-static int decode_tc_split(int64_t max_context) {
-  static const int forced = env_choice("NIBBLE_DECODE_SPLIT", {64, 128, 256, 512}, 0);
-  return forced ? forced : max_context > 12288 ? 512 : 256;
-}
-static int decode_tc_warps() {
-  static const int warps = env_choice("NIBBLE_DECODE_WARPS", {4, 8}, 8);
-  return warps;
-}
+// Positions per split of the tensor-core kernel: 256, 512 beyond a 12K context; 8 warps per
+// block where the GQA group fits 8 rows, 4 (16 rows) above. Measured on the H100 (tg128 tok/s at
+// depths 0 / 8192 / 16384, split/warps): 256/4 371 / 273 / 235, 256/8 369 / 294 / 240, 512/8
+// 367 / 289 / 267, 128/8 370 / 261 / 211; with 4 warps, 64 / 128 / 256 / 512 gave 333 / 365 /
+// 366 / 364 at depth 0 (BENCHMARKS.md). Fewer splits merge fewer partials, more warps keep more
+// loads in flight.
+constexpr int decode_tc_split(int64_t max_context) { return max_context > 12288 ? 512 : 256; }
+static_assert(kernels::kDecodeSplitLong <= decode_tc_split(0), "attention_partial_floats sizes for the smaller");
 
 bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
                       const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
@@ -319,44 +306,33 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
   if (!attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) return false;
   const int64_t group = n_head / n_head_kv;
   if (kv.dtype == DType::F16) {
-    // 8 warps take at least 128 positions (a tile each); groups above 8 rows run 4 warps.
-    const int warps = group > 8 ? 4 : decode_tc_warps();
-    const int split = std::max(decode_tc_split(max_context), 16 * warps);
+    const int split = decode_tc_split(max_context);
     const int64_t n_splits = (max_context + split - 1) / split;
     const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
     const auto* k = static_cast<const __half*>(kv.k);
     const auto* v = static_cast<const __half*>(kv.v);
     const float scale_log2 = scale * 1.4426950408889634f;
-    auto go = [&](auto HD) {
-      auto launch = [&](auto SPLIT, auto WARPS, auto ROWS) {
-        launch_pdl(kernels::attention_decode_tc_kernel<HD.value, SPLIT.value, WARPS.value, ROWS.value>, grid,
-                   32 * WARPS.value, q, k, v, kv.block_table, kv.block_size_log2, partial, out, counters, positions,
-                   n_head, n_head_kv, scale_log2, n_splits);
-      };
-      auto with_split = [&](auto WARPS, auto ROWS) {
-        switch (split) {
-          case 128: launch(std::integral_constant<int, 128>{}, WARPS, ROWS); break;
-          case 256: launch(std::integral_constant<int, 256>{}, WARPS, ROWS); break;
-          case 512: launch(std::integral_constant<int, 512>{}, WARPS, ROWS); break;
-          default:
-            if constexpr (WARPS.value == 4) launch(std::integral_constant<int, 64>{}, WARPS, ROWS);
-            break;
-        }
-      };
-      using I = std::integral_constant<int, 4>;
-      using J = std::integral_constant<int, 8>;
-      using R16 = std::integral_constant<int, 16>;
+    auto launch = [&](auto HD, auto SPLIT, auto WARPS, auto ROWS) {
+      launch_pdl(kernels::attention_decode_tc_kernel<HD.value, SPLIT.value, WARPS.value, ROWS.value>, grid,
+                 32 * WARPS.value, q, k, v, kv.block_table, kv.block_size_log2, partial, out, counters, positions,
+                 n_head, n_head_kv, scale_log2, n_splits);
+    };
+    auto with_rows = [&](auto HD, auto SPLIT) {
       if (group > 8)
-        with_split(I{}, R16{});
-      else if (warps == 8)
-        with_split(J{}, J{});
+        launch(HD, SPLIT, std::integral_constant<int, 4>{}, std::integral_constant<int, 16>{});
       else
-        with_split(I{}, J{});
+        launch(HD, SPLIT, std::integral_constant<int, 8>{}, std::integral_constant<int, 8>{});
+    };
+    auto with_split = [&](auto HD) {
+      if (split == 512)
+        with_rows(HD, std::integral_constant<int, 512>{});
+      else
+        with_rows(HD, std::integral_constant<int, 256>{});
     };
     if (head_dim == 64)
-      go(std::integral_constant<int, 64>{});
+      with_split(std::integral_constant<int, 64>{});
     else
-      go(std::integral_constant<int, 128>{});
+      with_split(std::integral_constant<int, 128>{});
     return true;
   }
   const int split = kernels::decode_split(max_context);
@@ -417,32 +393,24 @@ void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, co
                            int64_t head_dim, const KvPages& kv) {
   constexpr int kWarps = 4;
   const dim3 grid(unsigned(m), unsigned((n_head + n_head_kv + kWarps - 1) / kWarps));
-  auto go = [&](auto element) {
+  kernels::with_kv_element(kv.dtype, [&](auto element) {
     using T = decltype(element);
     launch_pdl(kernels::qk_norm_rope_kv_write_kernel<T>, grid, 32 * kWarps, q_in, q_out, q_stride, k_new, v_new,
                kv_stride, q_norm, k_norm, eps, inv_freq, attention_factor, positions, n_head, n_head_kv, head_dim,
                static_cast<T*>(kv.k), static_cast<T*>(kv.v), kv.block_table, kv.block_size_log2);
-  };
-  if (kv.dtype == DType::F16)
-    go(__half());
-  else
-    go(float());
+  });
 }
 
 void attention(const float* q, const KvPages& kv, float* out, int64_t m, const int32_t* positions, int64_t n_head,
                int64_t n_head_kv, int64_t head_dim, float scale) {
   static_assert(kAttentionMaxHeadDim == kernels::kAttentionMaxHeadDim);
   constexpr int kWarps = 4;
-  auto go = [&](auto element) {
+  kernels::with_kv_element(kv.dtype, [&](auto element) {
     using T = decltype(element);
     kernels::attention_online_warp_kernel<T><<<blocks_for(m * n_head, kWarps), 32 * kWarps>>>(
         q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v), kv.block_table, kv.block_size_log2, out, m,
         positions, n_head, n_head_kv, head_dim, scale);
-  };
-  if (kv.dtype == DType::F16)
-    go(__half());
-  else
-    go(float());
+  });
 }
 
 void silu_mul(const float* gate, const float* up, int64_t count, float* out) {
