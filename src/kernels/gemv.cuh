@@ -89,6 +89,49 @@ __device__ __forceinline__ void block_inv_rms(XRows<M, kNorm>& xr, int64_t k, fl
   }
 }
 
+// One pass over a single activation row (m == 1, the batch-1 decode): each thread loads its
+// float4 units of x and of the norm weight (at most kUnits), the block sums the squares from
+// registers, and put(k0, unit) is called with each unit normalised. That is one L2 round trip
+// where block_inv_rms followed by a staging pass takes two. The sums run in block_inv_rms's
+// order, so both give the same bits. Returns false, having done nothing, when the row needs more
+// than kUnits units per thread (callers then take the two passes). Every thread must call it;
+// callers synchronise before reading what put wrote.
+template <int kUnits, typename Put>
+__device__ __forceinline__ bool stage_row_one_pass(const float* __restrict__ x, const float* __restrict__ norm,
+                                                   int64_t k, float eps, Put&& put) {
+  const int per_row = int(k / 4);
+  if (per_row > kUnits * int(blockDim.x)) return false;
+  __shared__ float partial[32];
+  float4 v[kUnits], w[kUnits];
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j) {
+    const int idx = int(threadIdx.x) + j * int(blockDim.x);
+    if (idx < per_row) {
+      v[j] = reinterpret_cast<const float4*>(x)[idx];
+      w[j] = reinterpret_cast<const float4*>(norm)[idx];
+    }
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j)
+    if (int(threadIdx.x) + j * int(blockDim.x) < per_row)
+      ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+  ss = warp_sum(ss);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < int(blockDim.x / 32); ++i) total += partial[i];
+  const float inv = rsqrtf(total / float(k) + eps);
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j) {
+    const int idx = int(threadIdx.x) + j * int(blockDim.x);
+    if (idx < per_row)
+      put(4 * idx, make_float4(v[j].x * inv * w[j].x, v[j].y * inv * w[j].y, v[j].z * inv * w[j].z,
+                               v[j].w * inv * w[j].w));
+  }
+  return true;
+}
+
 template <DenseType T>
 struct DenseVec;
 template <>

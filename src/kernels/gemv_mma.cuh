@@ -216,6 +216,25 @@ __device__ __forceinline__ void mma_stage_x(const XRows<M, kNorm>& xr, int k, __
   }
 }
 
+// mma_stage_x with the RMS norm when kNorm: a single row (batch-1 decode) in one pass
+// (stage_row_one_pass, the same bits), otherwise block_inv_rms and then the staging pass.
+constexpr int kMmaOnePassUnits = 4;  // a 2048-wide row over 128 threads
+
+template <int M, bool kNorm>
+__device__ __forceinline__ void mma_stage_x_normed(XRows<M, kNorm>& xr, int k, float eps, __half* xs,
+                                                   int xs_stride) {
+  if constexpr (kNorm) {
+    auto put = [&](int k0, float4 u) {
+      __half* dst = xs + gemv_mma_x_half(k0);
+      dst[0] = __float2half_rn(u.x), dst[4] = __float2half_rn(u.y);
+      dst[8] = __float2half_rn(u.z), dst[12] = __float2half_rn(u.w);
+    };
+    if (xr.m == 1 && stage_row_one_pass<kMmaOnePassUnits>(xr.x, xr.norm, k, eps, put)) return;
+  }
+  block_inv_rms(xr, k, eps);
+  mma_stage_x(xr, k, xs, xs_stride);
+}
+
 // Halves per staged activation row: 16 more than k, so the rows of different tokens start on
 // different banks (a row is a multiple of 512 bytes).
 __host__ __device__ constexpr int64_t mma_x_stride(int64_t k) { return k + 16; }
@@ -241,10 +260,22 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   MmaTile<CPG, KS> tile;
   tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw);  // weights need no predecessor
   pdl_enter();
+  // The values this block's store adds to (the residual) and the bias, fetched now so the loads
+  // overlap the staging and the products instead of following them.
+  constexpr int kStorePerThread = (4 + KS - 1) / KS;  // NTB · kGemvMaxM · 16 outputs over 32 · KS · NTB threads
+  float prev[kStorePerThread], b[kStorePerThread];
+#pragma unroll
+  for (int j = 0; j < kStorePerThread; ++j) {
+    const int idx = threadIdx.x + j * blockDim.x;
+    const int tn = idx / (m * 16), mi = idx / 16 % m, r = idx % 16;
+    const int64_t out_row = (int64_t(blockIdx.x) * NTB + tn) * 16 + r;
+    const bool mine = idx < NTB * m * 16 && out_row < n;
+    b[j] = bias && mine ? bias[out_row] : 0.f;
+    prev[j] = io.accumulate && mine ? y[mi * n + out_row] : 0.f;
+  }
   XRows<kGemvMaxM, kNorm> xr{x, k, m, io.norm, {}};
-  block_inv_rms(xr, k, io.eps);
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
-  mma_stage_x(xr, int(k), xs, int(mma_x_stride(k)));
+  mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
   __syncthreads();
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, k, m), acc);
@@ -253,40 +284,59 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   if (2 * t < m) partial[nt][kw][2 * t][g] = d.x, partial[nt][kw][2 * t][g + 8] = d.z;
   if (2 * t + 1 < m) partial[nt][kw][2 * t + 1][g] = d.y, partial[nt][kw][2 * t + 1][g + 8] = d.w;
   __syncthreads();
-  for (int idx = threadIdx.x; idx < NTB * m * 16; idx += blockDim.x) {
+#pragma unroll
+  for (int jj = 0; jj < kStorePerThread; ++jj) {
+    const int idx = threadIdx.x + jj * blockDim.x;
     const int tn = idx / (m * 16), mi = idx / 16 % m, r = idx % 16;
     const int64_t out_row = (int64_t(blockIdx.x) * NTB + tn) * 16 + r;
-    if (out_row >= n) continue;
+    if (idx >= NTB * m * 16 || out_row >= n) continue;
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < KS; ++j) s += partial[tn][j][mi][r];
-    float* o = y + mi * n + out_row;
-    *o = (io.accumulate ? *o : 0.f) + s + (bias ? bias[out_row] : 0.f);
+    y[mi * n + out_row] = prev[jj] + s + b[jj];
   }
 }
 
 // MoE decode, stage 1: for token t and slot s (expert e = ids[t, s]), act[t, s] =
 // silu(gate_e · x_t) * (up_e · x_t), x_t RMS-normalised first when kNorm. act is written as f16
 // in the decode mma order of a row of `inter` (stage 2 stages it with plain copies). A block has
-// KS warps along K on one 16-row tile of gate and KS on the same tile of up.
+// KS warps along K on one 16-row tile of gate and KS on the same tile of up. Before the PDL wait
+// the block copies both expert tables (the matrices' descriptors) into shared memory, so after
+// it the first weight load follows the expert id by a shared-memory read, not another L2 trip.
+// Shared memory: the staged row, then copies of both expert tables.
+__host__ __device__ constexpr int64_t moe_gate_up_tables_offset(int64_t hidden) {
+  return (mma_x_bytes(1, hidden) + 15) / 16 * 16;
+}
+__host__ __device__ constexpr int64_t moe_gate_up_smem_bytes(int64_t hidden, int64_t n_experts) {
+  return moe_gate_up_tables_offset(hidden) + 2 * n_experts * int64_t(sizeof(Int4Weight));
+}
+
 template <int CPG, bool kNorm, int KS>
 __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
-    const Int4Weight* __restrict__ gate, const Int4Weight* __restrict__ up, const int32_t* __restrict__ ids,
-    const float* __restrict__ x, __half* __restrict__ act, int64_t top_k, int64_t inter, int64_t hidden,
-    const float* __restrict__ norm, float eps) {
+    const Int4Weight* __restrict__ gate, const Int4Weight* __restrict__ up, int64_t n_experts,
+    const int32_t* __restrict__ ids, const float* __restrict__ x, __half* __restrict__ act, int64_t top_k,
+    int64_t inter, int64_t hidden, const float* __restrict__ norm, float eps) {
+  static_assert(sizeof(Int4Weight) % 8 == 0);
+  constexpr int kWords = int(sizeof(Int4Weight) / 8);
+  __half* xs = reinterpret_cast<__half*>(dynamic_smem());
+  auto* tables = reinterpret_cast<Int4Weight*>(dynamic_smem() + moe_gate_up_tables_offset(hidden));
+  for (int64_t i = threadIdx.x; i < 2 * n_experts * kWords; i += blockDim.x) {  // [gate | up]
+    const int64_t per_table = n_experts * kWords;
+    const auto* src = reinterpret_cast<const uint64_t*>(i < per_table ? gate : up);
+    reinterpret_cast<uint64_t*>(tables)[i] = __ldg(src + i % per_table);
+  }
   pdl_enter();  // the experts come from the router, the previous kernel
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int h = warp / KS, kw = warp % KS;  // h: 0 gate, 1 up
   const int64_t slot = blockIdx.y;          // token · top_k + s
   const int64_t tile0 = int64_t(blockIdx.x) * 16;
   const int32_t e = ids[slot];
-  const Int4Weight w = h == 0 ? gate[e] : up[e];
+  __syncthreads();  // the tables
+  const Int4Weight w = tables[h * n_experts + e];
   MmaTile<CPG, KS> tile;
   tile.start(w, tile0, inter, hidden, kw);
   XRows<1, kNorm> xr{x + (slot / top_k) * hidden, hidden, 1, norm, {}};
-  block_inv_rms(xr, hidden, eps);
-  __half* xs = reinterpret_cast<__half*>(dynamic_smem());
-  mma_stage_x(xr, int(hidden), xs, int(mma_x_stride(hidden)));
+  mma_stage_x_normed(xr, int(hidden), eps, xs, int(mma_x_stride(hidden)));
   __syncthreads();
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, hidden, 1), acc);
@@ -306,7 +356,8 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
 // warp per slot (top_k <= kMoeDownSlots) on one 16-row tile of one token, so all slots' weights
 // stream at once; the slots' partial sums meet in shared memory and are added in slot order. The
 // routing was written two launches back (by the router, before stage 1), so the experts' weights
-// load before pdl_wait (see pdl.cuh).
+// load before pdl_wait (see pdl.cuh), and so does the residual it adds to (last written before
+// the router).
 constexpr int kMoeDownSlots = 8;
 
 template <int CPG>
@@ -322,6 +373,9 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
     wd = down[ids[tok * top_k + s]];
     tile.start(wd, tile0, hidden, inter, 0);
   }
+  // The residual this adds to was last written before the router, two launches back.
+  const bool mine = threadIdx.x < 16 && tile0 + threadIdx.x < hidden;
+  const float prev = accumulate && mine ? out[tok * hidden + tile0 + threadIdx.x] : 0.f;
   pdl_enter();
   // The slots' activation rows are already f16 in mma order: 16-byte copies.
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
@@ -338,11 +392,10 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   const float4 d = mma_chains_sum(acc);
   if (t == 0 && s < top_k) partial[s][g] = d.x, partial[s][g + 8] = d.z;
   __syncthreads();
-  if (threadIdx.x < 16 && tile0 + threadIdx.x < hidden) {
+  if (mine) {
     float total = 0.f;
     for (int64_t j = 0; j < top_k; ++j) total += weights[tok * top_k + j] * partial[j][threadIdx.x];
-    float* o = out + tok * hidden + tile0 + threadIdx.x;
-    *o = (accumulate ? *o : 0.f) + total;
+    out[tok * hidden + tile0 + threadIdx.x] = prev + total;
   }
 }
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/gemv.cuh"
+#include "kernels/mma.cuh"
 #include "kernels/pdl.cuh"
 
 namespace nibble::kernels {
@@ -94,24 +95,89 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int64_t m, in
 }
 
 // The router GEMV (BF16/F16/F32 rows, input RMS-normalised when kNorm) and the routing in one
-// launch: every block writes its experts' logits, and the last block to finish (a counter, reset
-// by that block for the next launch) routes all m tokens. Saves a launch and its latency per MoE
-// layer.
+// launch, one warp per expert row. Each lane loads its first kRouterVecs 16-byte vectors of the
+// row into registers before the PDL wait (the router is 0.5 MB: all of it is in flight at
+// once); after the wait x is staged in shared memory, normalised (in one pass for a single row),
+// and the dot products read it there. Every block writes its experts' logits, and the last block
+// to finish (a counter, reset by that block for the next launch) routes all m tokens: no second
+// launch and its latency per MoE layer.
+constexpr int kRouterVecs = 8;        // 2048 bf16 per lane-strided row
+constexpr int kRouterStageUnits = 4;  // a 2048-wide row over 128 threads
+
+// Shared memory of the router: the m staged rows.
+__host__ __device__ constexpr int64_t moe_router_smem_bytes(int64_t m, int64_t hidden) { return m * hidden * 4; }
+
 template <DenseType T, int M, bool kNorm>
 __global__ void moe_router_kernel(const void* __restrict__ w, const float* __restrict__ x, int m,
                                   int64_t n_experts, int64_t hidden, const float* __restrict__ norm, float eps,
                                   float* __restrict__ logits, int64_t top_k, bool normalize,
                                   int32_t* __restrict__ ids, float* __restrict__ weights,
                                   unsigned* __restrict__ counter) {
+  constexpr int V = DenseVec<T>::kPerVec;
+  constexpr int64_t elem = T == DenseType::kF32 ? 4 : 2;
+  const int lane = threadIdx.x % 32;
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row < n_experts) dense_rows_prefetch<T, 1>(w, row, n_experts, hidden);
+  const char* wrow = static_cast<const char*>(w) + (row < n_experts ? row : 0) * hidden * elem;
+  uint4 wr[kRouterVecs];
+#pragma unroll
+  for (int i = 0; i < kRouterVecs; ++i) {
+    const int64_t k0 = int64_t(V) * (lane + 32 * i);
+    if (row < n_experts && k0 < hidden) wr[i] = __ldg(reinterpret_cast<const uint4*>(wrow + k0 * elem));
+  }
   pdl_enter();
-  XRows<M, kNorm> xr{x, hidden, m, norm, {}};
-  block_inv_rms(xr, hidden, eps);
+  float* xs = reinterpret_cast<float*>(dynamic_smem());  // [m][hidden], normalised
+  bool staged = false;
+  if constexpr (kNorm)
+    if (m == 1)
+      staged = stage_row_one_pass<kRouterStageUnits>(x, norm, hidden, eps, [&](int k0, float4 u) {
+        *reinterpret_cast<float4*>(xs + k0) = u;
+      });
+  if (!staged) {
+    XRows<M, kNorm> xr{x, hidden, m, norm, {}};
+    block_inv_rms(xr, hidden, eps);
+    for (int64_t idx = threadIdx.x; idx < m * hidden / 4; idx += blockDim.x) {
+      const int mi = int(idx / (hidden / 4));
+      const int64_t k0 = 4 * (idx % (hidden / 4));
+      float f[4];
+      xr.load(mi, k0, f);
+      *reinterpret_cast<float4*>(xs + mi * hidden + k0) = make_float4(f[0], f[1], f[2], f[3]);
+    }
+  }
+  __syncthreads();
   if (row < n_experts) {
-    float acc[1][M] = {};
-    dense_rows_dot<T, M, 1>(w, row, n_experts, hidden, xr, acc);
-    store_rows<M, 1>(acc, row, n_experts, m, nullptr, logits, n_experts, false);
+    float acc[M] = {};
+    auto dot = [&](int64_t k0, const float(&wv)[V]) {
+#pragma unroll
+      for (int mi = 0; mi < M; ++mi) {
+        if (mi >= m) break;
+#pragma unroll
+        for (int e = 0; e < V; e += 4) {
+          const float4 xv = *reinterpret_cast<const float4*>(xs + mi * hidden + k0 + e);
+          acc[mi] = fmaf(wv[e], xv.x, acc[mi]);
+          acc[mi] = fmaf(wv[e + 1], xv.y, acc[mi]);
+          acc[mi] = fmaf(wv[e + 2], xv.z, acc[mi]);
+          acc[mi] = fmaf(wv[e + 3], xv.w, acc[mi]);
+        }
+      }
+    };
+#pragma unroll
+    for (int i = 0; i < kRouterVecs; ++i) {
+      const int64_t k0 = int64_t(V) * (lane + 32 * i);
+      if (k0 >= hidden) break;
+      float wv[V];
+      DenseVec<T>::load(&wr[i], wv);
+      dot(k0, wv);
+    }
+    for (int64_t k0 = int64_t(V) * (lane + 32 * kRouterVecs); k0 < hidden; k0 += 32 * V) {  // past 8 vectors a lane
+      float wv[V];
+      DenseVec<T>::load(wrow + k0 * elem, wv);
+      dot(k0, wv);
+    }
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi) {
+      const float sum = warp_sum(acc[mi]);
+      if (lane == 0 && mi < m) logits[mi * n_experts + row] = sum;
+    }
   }
   __shared__ bool last;
   __syncthreads();

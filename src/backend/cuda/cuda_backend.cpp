@@ -569,7 +569,7 @@ class CudaBackend final : public Backend {
                      w.normalize, ids.data<int32_t>(), weights.data(), route_counter_.data<unsigned>());
     CUDA_CHECK_LAUNCH("moe_router");
     cuda::moe_decode_int4(tables->gate.data<cuda::Int4Device>(), tables->up.data<cuda::Int4Device>(),
-                          tables->down.data<cuda::Int4Device>(), tables->group_shift, ids.data<int32_t>(),
+                          tables->down.data<cuda::Int4Device>(), E, tables->group_shift, ids.data<int32_t>(),
                           weights.data(), x, norm, eps, act.data(), out, accumulate, m, K, inter, H);
     CUDA_CHECK_LAUNCH("moe_decode_int4");
   }

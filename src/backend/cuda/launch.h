@@ -58,7 +58,7 @@ void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_
 // all with the same group_shift; act is scratch of m * top_k * inter halves. x is normalised with `norm`
 // when non-null; out += result when accumulate. top_k <= kMoeDecodeMaxTopK.
 constexpr int64_t kMoeDecodeMaxTopK = 8;
-void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down,
+void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down, int64_t n_experts,
                      int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
                      const float* norm, float eps, void* act, float* out, bool accumulate, int64_t m,
                      int64_t top_k, int64_t inter, int64_t hidden);

@@ -137,15 +137,31 @@ struct GemvDense {
   }
 };
 
+// Dynamic shared memory above the 48 KB default needs an opt-in per kernel; done once per kernel
+// and size.
+template <typename... Params>
+void allow_smem(void (*kernel)(Params...), size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  static std::unordered_map<const void*, size_t> allowed;  // host code, one thread launches
+  size_t& done = allowed[reinterpret_cast<const void*>(kernel)];
+  if (bytes > done) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    done = bytes;
+  }
+}
+
 template <kernels::DenseType T>
 struct MoeRouter {
   static void run(const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden, const float* norm,
                   float eps, float* logits, int64_t top_k, bool normalize, int32_t* ids, float* weights,
                   unsigned* counter) {
     const unsigned grid = blocks_for(n_experts, kGemvWarps);
+    const size_t smem = size_t(kernels::moe_router_smem_bytes(m, hidden));
     auto go = [&](auto M, auto kNorm) {
-      launch_pdl(kernels::moe_router_kernel<T, M.value, kNorm.value>, grid, 32 * kGemvWarps, w, x, int(m), n_experts,
-                 hidden, norm, eps, logits, top_k, normalize, ids, weights, counter);
+      const auto kernel = kernels::moe_router_kernel<T, M.value, kNorm.value>;
+      allow_smem(kernel, smem);
+      launch_pdl_smem(kernel, grid, 32 * kGemvWarps, smem, w, x, int(m), n_experts, hidden, norm, eps, logits, top_k,
+                      normalize, ids, weights, counter);
     };
     auto with_m = [&](auto kNorm) {
       if (m == 1)
@@ -206,19 +222,6 @@ void dispatch_mma_split(int64_t k, Fn&& fn) {
     fn(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
 }
 
-// Dynamic shared memory above the 48 KB default needs an opt-in per kernel; done once per kernel
-// and size.
-template <typename... Params>
-void allow_smem(void (*kernel)(Params...), size_t bytes) {
-  if (bytes <= 48 * 1024) return;
-  static std::unordered_map<const void*, size_t> allowed;  // host code, one thread launches
-  size_t& done = allowed[reinterpret_cast<const void*>(kernel)];
-  if (bytes > done) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-    done = bytes;
-  }
-}
-
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k, const GemvIo& io) {
   const kernels::Int4Weight kw = to_kernel(w);
@@ -247,7 +250,7 @@ void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_
                             counter);
 }
 
-void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down,
+void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down, int64_t n_experts,
                      int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
                      const float* norm, float eps, void* act, float* out, bool accumulate, int64_t m,
                      int64_t top_k, int64_t inter, int64_t hidden) {
@@ -258,11 +261,12 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
   dispatch_cpg(group_shift, [&](auto CPG) {
     dispatch_mma_split(hidden, [&](auto KS, auto) {
       const dim3 grid(unsigned((inter + 15) / 16), unsigned(m * top_k));
-      const size_t smem = size_t(kernels::mma_x_bytes(1, hidden));
+      const size_t smem = size_t(kernels::moe_gate_up_smem_bytes(hidden, n_experts));
       auto gate_up = [&](auto kNorm) {
         const auto kernel = kernels::moe_gate_up_int4_mma_kernel<CPG.value, kNorm.value, KS.value>;
         allow_smem(kernel, smem);
-        launch_pdl_smem(kernel, grid, 64 * KS.value, smem, g, u, ids, x, act_h, top_k, inter, hidden, norm, eps);
+        launch_pdl_smem(kernel, grid, 64 * KS.value, smem, g, u, n_experts, ids, x, act_h, top_k, inter, hidden, norm,
+                        eps);
       };
       if (norm)
         gate_up(std::true_type{});
