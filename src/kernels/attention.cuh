@@ -93,14 +93,14 @@ __host__ __device__ constexpr int64_t decode_partial_stride(int64_t head_dim) { 
 template <int G, int HD, int kThreads, int kChunk>
 __device__ void decode_merge_last_split(const float* __restrict__ partial, float* __restrict__ out,
                                         unsigned* __restrict__ counters, int64_t t, int64_t kv, int64_t group,
-                                        int64_t n_head, int64_t n_splits, float* weights, float* s_max,
-                                        float* s_scale) {
+                                        int64_t n_head, int64_t n_splits, int64_t n_active, float* weights,
+                                        float* s_max, float* s_scale) {
   __shared__ bool last;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   __syncthreads();
   if (tid == 0) {
     __threadfence();
-    last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(n_splits) - 1;
+    last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(n_active) - 1;
   }
   __syncthreads();
   if (!last) return;
@@ -108,13 +108,13 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
   for (int h = warp; h < G && h < group; h += kThreads / 32) {
     const float* p = partial + ((t * n_head + kv * group + h) * n_splits) * decode_partial_stride(HD);
     float mx = -INFINITY;
-    for (int64_t s = lane; s < n_splits; s += 32) {
+    for (int64_t s = lane; s < n_active; s += 32) {
       const float* ps = p + s * decode_partial_stride(HD);
       if (__ldcg(ps + 1) > 0.f) mx = fmaxf(mx, __ldcg(ps));
     }
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.f;
-    for (int64_t s = lane; s < n_splits; s += 32) {
+    for (int64_t s = lane; s < n_active; s += 32) {
       const float* ps = p + s * decode_partial_stride(HD);
       const float l = __ldcg(ps + 1);
       if (l > 0.f) sum += l * expf(__ldcg(ps) - mx);
@@ -123,8 +123,8 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
     if (lane == 0) s_max[h] = mx, s_scale[h] = 1.f / sum;
   }
   __syncthreads();
-  for (int64_t s0 = 0; s0 < n_splits; s0 += kChunk) {  // weights of up to kChunk splits at a time
-    const int64_t chunk = ::min(int64_t(kChunk), n_splits - s0);
+  for (int64_t s0 = 0; s0 < n_active; s0 += kChunk) {  // weights of up to kChunk splits at a time
+    const int64_t chunk = ::min(int64_t(kChunk), n_active - s0);
     for (int i = tid; i < G * chunk; i += kThreads) {
       const int h = int(i / chunk);
       const int64_t s = s0 + i % chunk;
@@ -296,6 +296,7 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
   if (n_splits == 1) return;
   __shared__ float s_scale[G];
   decode_merge_last_split<G, HD, kDecodeThreads, SPLIT>(partial, out, counters, t, kv, group, n_head, n_splits,
+                                                        n_splits,
                                                         &sc[0][0], s_max, s_scale);
 }
 
@@ -314,7 +315,8 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
 //     the HD / 8 contiguous dims HD / 8 · g .. of its 4 positions (16-byte loads) and output
 //     n-tile nt column n is dim HD / 8 · n + nt; a byte permute pairs two positions' halves.
 // No shared memory in the loop and no __syncthreads; the warps' (max, sum, O) are merged through
-// shared memory at the end, then the split partial or, with one split, the output is written.
+// shared memory at the end, then the split partial or, with one split holding positions (the
+// others end at once), the output is written.
 // WARPS 8 with ROWS 8 (groups up to 8), or WARPS 4 with ROWS 16 (groups up to 16: the warp merge's
 // shared memory is WARPS x ROWS x HD floats).
 constexpr int kDecodeTcTile = 16, kDecodeTcRows = 16;
@@ -346,10 +348,14 @@ attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict
   const __half* vbase = v + kv * HD;
   const int64_t begin = split * SPLIT;
   auto row_of = [&](int64_t pos) { return kv_pool_row(block_table, block_size_log2, pos) * row_stride; };
+  // Splits past the token's position (the context bucket sizes the grid; the position is known
+  // only on the device) end here: they write nothing and the merge counts only the others.
+  const int64_t n_ctx = int64_t(positions[t]) + 1;
+  const int64_t n_active = ::min(n_splits, (n_ctx + SPLIT - 1) / SPLIT);
+  if (split >= n_active) return;
   prefetch_split_rows<HD, kThreads>(kbase, vbase, block_table, block_size_log2, row_stride, begin, SPLIT,
                                     positions[t]);
   pdl_enter();
-  const int64_t n_ctx = int64_t(positions[t]) + 1;
   const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT));
 
   // Q fragments: row r = head g + 8·(r % 2); k-step 2c + e holds dims 32c + 8·t4 + 4e + {0, 1}
@@ -461,7 +467,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict
     for (int w = 0; w < kDecodeTcWarps; ++w)
       if (s_m[w][h] != -kInf) acc += s_o[w][h][d] * exp2f(s_m[w][h] - mx);
     const int64_t head = t * n_head + kv * group + h;
-    if (n_splits == 1) {
+    if (n_active == 1) {
       out[head * HD + d] = acc / s_sum[h];
     } else {
       float* p = partial + (head * n_splits + split) * decode_partial_stride(HD);
@@ -470,11 +476,11 @@ attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict
       if (d == 0) p[0] = mx * 0.6931471805599453f, p[1] = s_sum[h];
     }
   }
-  if (n_splits == 1) return;
+  if (n_active == 1) return;
   __syncthreads();  // s_max is rewritten by the merge
   __shared__ float s_scale[ROWS];
   decode_merge_last_split<ROWS, HD, kThreads, kDecodeTcMergeChunk>(
-      partial, out, counters, t, kv, group, n_head, n_splits, &s_o[0][0][0], s_max, s_scale);
+      partial, out, counters, t, kv, group, n_head, n_splits, n_active, &s_o[0][0][0], s_max, s_scale);
 }
 
 }  // namespace nibble::kernels

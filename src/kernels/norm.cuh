@@ -64,21 +64,40 @@ __global__ void qk_norm_rope_kv_write_kernel(const float* q_in, float* q_out, in
                                              int64_t n_head_kv, int64_t head_dim, T* __restrict__ k_cache,
                                              T* __restrict__ v_cache, const int32_t* __restrict__ block_table,
                                              int block_size_log2) {
-  pdl_enter();
   constexpr int kMaxPerLane = 8;  // head_dim <= 256
   const int64_t t = blockIdx.x, h = int64_t(blockIdx.y) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (h >= n_head + n_head_kv) return;
-  const bool is_q = h < n_head;
-  const int64_t pos = positions[t], row = is_q ? 0 : kv_pool_row(block_table, block_size_log2, pos);
+  const bool active = h < n_head + n_head_kv, is_q = h < n_head;
+  const float* norm = is_q ? q_norm : k_norm;
+  const int64_t half = head_dim / 2;
+  // Before the PDL wait, all that does not come from the projection: the position and its pool
+  // row (step inputs, see pdl.cuh), the norm weights and the rotation. After it, the head's
+  // values are one load away from their stores.
+  const int64_t pos = positions[t], row = is_q || !active ? 0 : kv_pool_row(block_table, block_size_log2, pos);
+  // Lane holds pairs (i, i + half) for i = lane + 32 j, so the rotation needs no exchange.
+  float w0[kMaxPerLane], w1[kMaxPerLane], cs[kMaxPerLane], sn[kMaxPerLane];
+#pragma unroll
+  for (int j = 0; j < kMaxPerLane; ++j) {
+    const int64_t i = lane + 32 * j;
+    if (!active || i >= half) break;
+    w0[j] = norm ? norm[i] : 1.f;
+    w1[j] = norm ? norm[i + half] : 1.f;
+    // Same f32 angle as the CPU reference and transformers; sincosf keeps full range reduction.
+    sincosf(float(pos) * inv_freq[i], &sn[j], &cs[j]);
+    cs[j] *= attention_factor;
+    sn[j] *= attention_factor;
+  }
+  pdl_enter();
+  if (!active) return;
   // q_in and q_out may be one buffer: each warp reads its head vector whole before writing it.
   const float* src = is_q ? q_in + t * q_stride + h * head_dim : k_new + t * kv_stride + (h - n_head) * head_dim;
   float* q_dst = q_out + (t * n_head + h) * head_dim;
   T* k_dst = k_cache + (row * n_head_kv + (h - n_head)) * head_dim;
-  const float* norm = is_q ? q_norm : k_norm;
-  const int64_t half = head_dim / 2;
-  // Lane holds pairs (i, i + half) for i = lane + 32 j, so the rotation needs no exchange.
-  float a[kMaxPerLane], b[kMaxPerLane];
+  float a[kMaxPerLane], b[kMaxPerLane], vv[2 * kMaxPerLane];
+  const float* vs = v_new + t * kv_stride + (h - n_head) * head_dim;
+#pragma unroll
+  for (int j = 0; j < 2 * kMaxPerLane; ++j)  // V rows are copied as they are, loaded with the head
+    if (!is_q && lane + 32 * j < head_dim) vv[j] = vs[lane + 32 * j];
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < kMaxPerLane; ++j) {
@@ -92,13 +111,8 @@ __global__ void qk_norm_rope_kv_write_kernel(const float* q_in, float* q_out, in
   for (int j = 0; j < kMaxPerLane; ++j) {
     const int64_t i = lane + 32 * j;
     if (i >= half) break;
-    const float x0 = a[j] * inv * (norm ? norm[i] : 1.f), x1 = b[j] * inv * (norm ? norm[i + half] : 1.f);
-    // Same f32 angle as the CPU reference and transformers; sincosf keeps full range reduction.
-    float s, c;
-    sincosf(float(pos) * inv_freq[i], &s, &c);
-    c *= attention_factor;
-    s *= attention_factor;
-    const float y0 = x0 * c - x1 * s, y1 = x1 * c + x0 * s;
+    const float x0 = a[j] * inv * w0[j], x1 = b[j] * inv * w1[j];
+    const float y0 = x0 * cs[j] - x1 * sn[j], y1 = x1 * cs[j] + x0 * sn[j];
     if (is_q) {
       q_dst[i] = y0;
       q_dst[i + half] = y1;
@@ -108,10 +122,12 @@ __global__ void qk_norm_rope_kv_write_kernel(const float* q_in, float* q_out, in
     }
   }
   if (!is_q) {
-    const float* vs = v_new + t * kv_stride + (h - n_head) * head_dim;
     T* vd = v_cache + (row * n_head_kv + (h - n_head)) * head_dim;
-    for (int64_t i = lane; i < head_dim; i += 32) kv_store(vd + i, vs[i]);
+#pragma unroll
+    for (int j = 0; j < 2 * kMaxPerLane; ++j)
+      if (lane + 32 * j < head_dim) kv_store(vd + lane + 32 * j, vv[j]);
   }
 }
+
 
 }  // namespace nibble::kernels

@@ -295,13 +295,14 @@ bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int
          m * n_head_kv <= kAttentionMaxPairs;
 }
 
-// Positions per split of the tensor-core kernel: 256, 512 beyond a 12K context; 8 warps per
-// block where the GQA group fits 8 rows, 4 (16 rows) above. Measured on the H100 (tg128 tok/s at
-// depths 0 / 8192 / 16384, split/warps): 256/4 371 / 273 / 235, 256/8 369 / 294 / 240, 512/8
-// 367 / 289 / 267, 128/8 370 / 261 / 211; with 4 warps, 64 / 128 / 256 / 512 gave 333 / 365 /
-// 366 / 364 at depth 0 (BENCHMARKS.md). Fewer splits merge fewer partials, more warps keep more
-// loads in flight.
-constexpr int decode_tc_split(int64_t max_context) { return max_context > 12288 ? 512 : 256; }
+// Positions per split of the tensor-core kernel: 256, 512 for context buckets above 16K (a
+// bucket is a power of two, the context is more than half of it); 8 warps per block where the
+// GQA group fits 8 rows, 4 (16 rows) above. Measured on the H100 (tg128 tok/s at depths 0 / 8192
+// / 16384, buckets 256 / 16K / 32K, split/warps): 256/4 371 / 273 / 235, 256/8 369 / 294 / 240,
+// 512/8 367 / 289 / 267, 128/8 370 / 261 / 211; with 4 warps, 64 / 128 / 256 / 512 gave 333 /
+// 365 / 366 / 364 at depth 0 (BENCHMARKS.md). Fewer splits merge fewer partials, more warps keep
+// more loads in flight.
+constexpr int decode_tc_split(int64_t max_context) { return max_context > 16384 ? 512 : 256; }
 static_assert(kernels::kDecodeSplitLong <= decode_tc_split(0), "attention_partial_floats sizes for the smaller");
 
 bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
