@@ -84,19 +84,21 @@ namespace nibble::kernels {
 // HD-vector, 16-byte aligned; max in natural-log units of the scaled scores.
 __host__ __device__ constexpr int64_t decode_partial_stride(int64_t head_dim) { return head_dim + 4; }
 
-// The merge of a (token, kv head)'s split partials, run by the last of its split blocks to finish
-// (a counter per pair, reset here), so there is no merge launch: per head the global max and
-// softmax sum over the splits (lanes stride the splits), then each thread one float4 of the
-// output summing the splits' partial vectors with their weights (independent 16-byte loads; a loop
-// of dependent loads per split and dimension cost ~60 µs per layer at 32 splits). `weights` is
-// shared scratch of G · kChunk floats, s_max / s_scale of G. Called by every thread of the block.
-template <int G, int HD, int kThreads, int kChunk>
+// The merge of a (token, kv head)'s split partials, run by the last of its splits holding
+// positions (n_active; a counter per pair, reset here), so there is no merge launch. Each thread
+// owns one float4 of one head's output and walks the splits once with an online softmax: per
+// batch of kMergeBatch splits all (max, sum) pairs and partial vectors are loaded at once
+// (independent 8- and 16-byte loads, the same addresses across a head's threads), so 33 splits
+// cost 3 L2 round trips. (A max pass, a sum pass, a shared weights pass and then the sums took
+// ~10 round trips.) Called by every thread of the block.
+constexpr int kMergeBatch = 16;
+
+template <int G, int HD, int kThreads>
 __device__ void decode_merge_last_split(const float* __restrict__ partial, float* __restrict__ out,
                                         unsigned* __restrict__ counters, int64_t t, int64_t kv, int64_t group,
-                                        int64_t n_head, int64_t n_splits, int64_t n_active, float* weights,
-                                        float* s_max, float* s_scale) {
+                                        int64_t n_head, int64_t n_splits, int64_t n_active) {
   __shared__ bool last;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x;
   __syncthreads();
   if (tid == 0) {
     __threadfence();
@@ -105,54 +107,34 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int h = warp; h < G && h < group; h += kThreads / 32) {
-    const float* p = partial + ((t * n_head + kv * group + h) * n_splits) * decode_partial_stride(HD);
-    float mx = -INFINITY;
-    for (int64_t s = lane; s < n_active; s += 32) {
-      const float* ps = p + s * decode_partial_stride(HD);
-      if (__ldcg(ps + 1) > 0.f) mx = fmaxf(mx, __ldcg(ps));
-    }
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float sum = 0.f;
-    for (int64_t s = lane; s < n_active; s += 32) {
-      const float* ps = p + s * decode_partial_stride(HD);
-      const float l = __ldcg(ps + 1);
-      if (l > 0.f) sum += l * expf(__ldcg(ps) - mx);
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) s_max[h] = mx, s_scale[h] = 1.f / sum;
-  }
-  __syncthreads();
-  for (int64_t s0 = 0; s0 < n_active; s0 += kChunk) {  // weights of up to kChunk splits at a time
-    const int64_t chunk = ::min(int64_t(kChunk), n_active - s0);
-    for (int i = tid; i < G * chunk; i += kThreads) {
-      const int h = int(i / chunk);
-      const int64_t s = s0 + i % chunk;
-      if (h >= group) continue;
-      const float* ps = partial + ((t * n_head + kv * group + h) * n_splits + s) * decode_partial_stride(HD);
-      weights[h * kChunk + (s - s0)] = __ldcg(ps + 1) > 0.f ? expf(__ldcg(ps) - s_max[h]) * s_scale[h] : 0.f;
-    }
-    __syncthreads();
-    for (int i = tid; i < G * HD / 4; i += kThreads) {
-      const int h = i / (HD / 4), d4 = i % (HD / 4);
-      if (h >= group) continue;
-      const float* p = partial + ((t * n_head + kv * group + h) * n_splits + s0) * decode_partial_stride(HD) + 4;
-      float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-      for (int64_t s = 0; s < chunk; ++s) {
-        const float w = weights[h * kChunk + s];
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(p + s * decode_partial_stride(HD)) + d4);
-        o.x += w * v.x, o.y += w * v.y, o.z += w * v.z, o.w += w * v.w;
+  constexpr float kInf = __builtin_huge_valf();
+  for (int i = tid; i < G * HD / 4; i += kThreads) {
+    const int h = i / (HD / 4), d4 = i % (HD / 4);
+    if (h >= group) continue;
+    const int64_t head = t * n_head + kv * group + h;
+    const float* p = partial + head * n_splits * decode_partial_stride(HD);
+    float mx = -kInf, l = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int64_t s0 = 0; s0 < n_active; s0 += kMergeBatch) {
+      float2 ml[kMergeBatch];
+      float4 v[kMergeBatch];
+#pragma unroll
+      for (int j = 0; j < kMergeBatch; ++j) {
+        const float* ps = p + (s0 + j) * decode_partial_stride(HD);
+        ml[j] = s0 + j < n_active ? __ldcg(reinterpret_cast<const float2*>(ps)) : make_float2(-kInf, 0.f);
+        v[j] = s0 + j < n_active ? __ldcg(reinterpret_cast<const float4*>(ps + 4) + d4) : o;
       }
-      float4* dst = reinterpret_cast<float4*>(out + (t * n_head + kv * group + h) * HD) + d4;
-      if (s0 == 0) {
-        *dst = o;
-      } else {
-        const float4 prev = *dst;
-        *dst = make_float4(prev.x + o.x, prev.y + o.y, prev.z + o.z, prev.w + o.w);
+#pragma unroll
+      for (int j = 0; j < kMergeBatch; ++j) {
+        if (!(ml[j].y > 0.f)) continue;  // a split with no positions (or none left)
+        const float m2 = fmaxf(mx, ml[j].x), a = expf(mx - m2), b = expf(ml[j].x - m2);
+        l = l * a + ml[j].y * b;
+        o = make_float4(o.x * a + v[j].x * b, o.y * a + v[j].y * b, o.z * a + v[j].z * b, o.w * a + v[j].w * b);
+        mx = m2;
       }
     }
-    __syncthreads();
+    const float inv = 1.f / l;
+    reinterpret_cast<float4*>(out + head * HD)[d4] = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
   }
   if (tid == 0) counters[blockIdx.x] = 0;
 }
@@ -294,10 +276,7 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
     }
   }
   if (n_splits == 1) return;
-  __shared__ float s_scale[G];
-  decode_merge_last_split<G, HD, kDecodeThreads, SPLIT>(partial, out, counters, t, kv, group, n_head, n_splits,
-                                                        n_splits,
-                                                        &sc[0][0], s_max, s_scale);
+  decode_merge_last_split<G, HD, kDecodeThreads>(partial, out, counters, t, kv, group, n_head, n_splits, n_splits);
 }
 
 // Decode attention on the tensor cores for f16 KV: GQA groups of up to 16 q heads as the 16 rows
@@ -320,7 +299,6 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
 // WARPS 8 with ROWS 8 (groups up to 8), or WARPS 4 with ROWS 16 (groups up to 16: the warp merge's
 // shared memory is WARPS x ROWS x HD floats).
 constexpr int kDecodeTcTile = 16, kDecodeTcRows = 16;
-constexpr int kDecodeTcMergeChunk = 64;
 
 template <int HD, int SPLIT, int WARPS, int ROWS>
 __global__ void __launch_bounds__(32 * WARPS)
@@ -477,10 +455,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict
     }
   }
   if (n_active == 1) return;
-  __syncthreads();  // s_max is rewritten by the merge
-  __shared__ float s_scale[ROWS];
-  decode_merge_last_split<ROWS, HD, kThreads, kDecodeTcMergeChunk>(
-      partial, out, counters, t, kv, group, n_head, n_splits, n_active, &s_o[0][0][0], s_max, s_scale);
+  decode_merge_last_split<ROWS, HD, kThreads>(partial, out, counters, t, kv, group, n_head, n_splits, n_active);
 }
 
 }  // namespace nibble::kernels
