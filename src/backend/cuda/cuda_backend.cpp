@@ -557,7 +557,8 @@ class CudaBackend final : public Backend {
   // each. Needs interleaved INT4 experts and a dense router in a GEMV layout.
   bool moe_decode(const MoeWeights& w, int64_t m) {
     return m <= cuda::kGemvMaxM && w.top_k <= cuda::kMoeDecodeMaxTopK && w.router.n <= cuda::kMoeMaxExperts &&
-           w.router.format != WeightFormat::kInt4 && gemv_layout(w.router) && expert_tables(w);
+           m * w.router.k * 4 <= cuda::kMoeRouterMaxStagedBytes && w.router.format != WeightFormat::kInt4 &&
+           gemv_layout(w.router) && expert_tables(w);
   }
   void run_moe_decode(const MoeWeights& w, const float* x, const float* norm, float eps, int64_t m, float* out,
                       bool accumulate) {

@@ -48,6 +48,9 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
                int64_t k, const GemvIo& io = {});
 void gemv_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
                 int64_t n, int64_t k, const GemvIo& io = {});
+// The router stages its m input rows in shared memory (m * hidden floats): the decode MoE path
+// is taken up to this size.
+constexpr int64_t kMoeRouterMaxStagedBytes = 160 * 1024;
 // Router GEMV (x normalised with `norm` when non-null) and top-k routing of m <= kGemvMaxM tokens
 // in one launch; logits [m, n_experts] is scratch, counter a device word that is 0 between launches.
 void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden,
