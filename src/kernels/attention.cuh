@@ -84,6 +84,22 @@ namespace nibble::kernels {
 // HD-vector, 16-byte aligned; max in natural-log units of the scaled scores.
 __host__ __device__ constexpr int64_t decode_partial_stride(int64_t head_dim) { return head_dim + 4; }
 
+// Element d of one head's result from one split: with `only` (the single split holding
+// positions) the normalised output, else the split's partial in the layout above (value
+// unnormalised, the max in natural-log units, the softmax sum) for decode_merge_last_split.
+template <int HD>
+__device__ __forceinline__ void decode_store_split(float* __restrict__ out, float* __restrict__ partial, int64_t head,
+                                                   int64_t split, int64_t n_splits, bool only, int d, float value,
+                                                   float max_ln, float sum) {
+  if (only) {
+    out[head * HD + d] = value / sum;
+  } else {
+    float* p = partial + (head * n_splits + split) * decode_partial_stride(HD);
+    p[4 + d] = value;
+    if (d == 0) p[0] = max_ln, p[1] = sum;
+  }
+}
+
 // The merge of a (token, kv head)'s split partials, run by the last of its splits holding
 // positions (n_active; a counter per pair, reset here), so there is no merge launch. Each thread
 // owns one float4 of one head's output and walks the splits once with an online softmax: per
@@ -266,14 +282,8 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
     float o = 0.f;
 #pragma unroll 4
     for (int g = 0; g < kGroups; ++g) o += red[g][h][d];
-    const int64_t head = t * n_head + kv * group + h;
-    if (n_splits == 1) {
-      out[head * HD + d] = o / s_sum[h];
-    } else {
-      float* p = partial + (head * n_splits + split) * decode_partial_stride(HD);
-      p[4 + d] = o;
-      if (d == 0) p[0] = s_max[h], p[1] = s_sum[h];
-    }
+    decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, n_splits == 1, d, o, s_max[h],
+                           s_sum[h]);
   }
   if (n_splits == 1) return;
   decode_merge_last_split<G, HD, kDecodeThreads>(partial, out, counters, t, kv, group, n_head, n_splits, n_splits);
@@ -444,15 +454,9 @@ attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict
 #pragma unroll
     for (int w = 0; w < kDecodeTcWarps; ++w)
       if (s_m[w][h] != -kInf) acc += s_o[w][h][d] * exp2f(s_m[w][h] - mx);
-    const int64_t head = t * n_head + kv * group + h;
-    if (n_active == 1) {
-      out[head * HD + d] = acc / s_sum[h];
-    } else {
-      float* p = partial + (head * n_splits + split) * decode_partial_stride(HD);
-      p[4 + d] = acc;
-      // The merge works in natural-log units (as attention_decode_kernel's partials).
-      if (d == 0) p[0] = mx * 0.6931471805599453f, p[1] = s_sum[h];
-    }
+    // The max in log2 units here, natural-log units in the partial.
+    decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, n_active == 1, d, acc,
+                           mx * 0.6931471805599453f, s_sum[h]);
   }
   if (n_active == 1) return;
   decode_merge_last_split<ROWS, HD, kThreads>(partial, out, counters, t, kv, group, n_head, n_splits, n_active);
