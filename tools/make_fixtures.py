@@ -14,6 +14,14 @@ Runs where torch and transformers 5.x are installed (the device machine):
       DIR is a GPTQ checkpoint written by `nibble quantize` from the fixture BASE. Dequantizes it here (an independent
       implementation of the GPTQ format), runs transformers on the dequantized weights, and writes
       DIR/expected.safetensors the same way.
+
+  python3 tools/make_fixtures.py bundled BF16_DIR INT4_DIR OUT [--report JSON]
+      The bundled model (models/nibble-tiny-coder) and its `nibble quantize` INT4 variant: for
+      each, OUT/{bf16,int4}.safetensors with a real code prompt (its text in the metadata), the
+      float32 logits and a greedy continuation by transformers (the INT4 one on the dequantized
+      weights). Also measures both on the held-out part of the training corpus (the same files and
+      windows as tools/train_default_model.py) and tries transformers' own GPTQ loader; the figures
+      go to the report, for the model card.
 """
 import argparse
 import glob
@@ -204,7 +212,8 @@ def dequantize_gptq(tensors, prefix, quant):
     return ((q - z[g]).float() * scales[g]).t().contiguous()  # [N, K]
 
 
-def cmd_int4_reference(model_dir, base_dir):
+def load_dequantized(model_dir):
+    """A GPTQ checkpoint as a float32 transformers model on its dequantized weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -236,12 +245,99 @@ def cmd_int4_reference(model_dir, base_dir):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return model.eval()
+
+
+def cmd_int4_reference(model_dir, base_dir):
+    model = load_dequantized(model_dir)
     prompt = load_file(os.path.join(base_dir, "expected.safetensors"))["prompt_ids"].tolist()
     logits, greedy, margin = reference(model, prompt)
     write_expected(model_dir, prompt, logits, greedy, margin)
     print(f"{model_dir}: margin {margin:.2e}, greedy {greedy[:8]}...")
     if margin < MIN_RELATIVE_MARGIN:
         print(f"warning: {model_dir} has a near tie in its greedy continuation", file=sys.stderr)
+
+
+BUNDLED_PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_lines(path):",
+                   "class Stack:\n    def __init__(self):", "def is_prime(n):"]
+
+
+def held_out_loss(model, model_dir, dev):
+    """Mean next-token loss (nats) on 40 windows of 16 x 512 held-out tokens, drawn exactly as
+    tools/train_default_model.py draws them."""
+    import random
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import train_default_model as tdm
+
+    with open(os.path.join(model_dir, "train_stats.json")) as f:
+        stats = json.load(f)
+    seed, seq = stats["seed"], stats["seq_len"]
+    if model_dir in _HELD_OUT:
+        return _loss_on(model, _HELD_OUT[model_dir], seed, seq, dev)
+    files = tdm.corpus_files(int(120e6))
+    rng = random.Random(seed)
+    tdm.documents([f for f in files if not tdm.held_out(f[0])], rng)  # the same rng draws as training
+    val_docs = tdm.documents([f for f in files if tdm.held_out(f[0])], rng)
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    val_ids = tdm.encode_all(tok, val_docs, tok.token_to_id("<|endoftext|>"))
+    _HELD_OUT[model_dir] = val_ids
+    return _loss_on(model, val_ids, seed, seq, dev)
+
+
+_HELD_OUT = {}
+
+
+def _loss_on(model, val_ids, seed, seq, dev):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import train_default_model as tdm
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    losses = []
+    with torch.no_grad():
+        for _ in range(40):
+            x = tdm.batches(val_ids, 16, seq, gen).to(dev)
+            logits = model(input_ids=x[:, :-1]).logits.float()
+            losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                                            x[:, 1:].reshape(-1)).item())
+    return sum(losses) / len(losses)
+
+
+def cmd_bundled(bf16_dir, int4_dir, out_dir, report_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    os.makedirs(out_dir, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(bf16_dir)
+    report = {"transformers": __import__("transformers").__version__}
+    try:
+        AutoModelForCausalLM.from_pretrained(int4_dir)
+        report["int4_native_transformers_load"] = "ok"
+    except Exception as e:  # transformers needs an extra package (gptqmodel) for GPTQ checkpoints
+        report["int4_native_transformers_load"] = f"{type(e).__name__}: {str(e)[:300]}"
+    variants = {"bf16": AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32).eval(),
+                "int4": load_dequantized(int4_dir)}
+    for name, model in variants.items():
+        report[f"held_out_loss_{name}"] = round(held_out_loss(model.to(dev), bf16_dir, dev), 4)
+        model.to("cpu")
+        for text in BUNDLED_PROMPTS:  # the first prompt without a near tie in its continuation
+            prompt = tok(text).input_ids
+            logits, greedy, margin = reference(model, prompt)
+            if margin >= MIN_RELATIVE_MARGIN:
+                break
+        save_file({"prompt_ids": torch.tensor(prompt, dtype=torch.int32), "logits": logits.contiguous(),
+                   "greedy_ids": torch.tensor(greedy, dtype=torch.int32)},
+                  os.path.join(out_dir, f"{name}.safetensors"),
+                  metadata={"transformers": report["transformers"], "prompt": text,
+                            "min_relative_margin": f"{margin:.6f}"})
+        report[f"greedy_{name}"] = {"prompt": text, "margin": round(margin, 5),
+                                   "text": tok.decode(greedy)}
+        print(f"{name}: held-out loss {report[f'held_out_loss_{name}']}, {text!r} -> {tok.decode(greedy)!r}")
+    print(json.dumps(report, indent=1))
+    if report_path:
+        with open(report_path, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def main():
@@ -251,9 +347,16 @@ def main():
     p = sub.add_parser("int4-reference")
     p.add_argument("dir")
     p.add_argument("base")
+    p = sub.add_parser("bundled")
+    p.add_argument("bf16")
+    p.add_argument("int4")
+    p.add_argument("out")
+    p.add_argument("--report")
     args = ap.parse_args()
     if args.cmd == "models":
         cmd_models(args.out)
+    elif args.cmd == "bundled":
+        cmd_bundled(args.bf16, args.int4, args.out, args.report)
     else:
         cmd_int4_reference(args.dir, args.base)
 

@@ -5,9 +5,12 @@ byte-level BPE tokenizer trained on the same corpus. Writes a normal Hugging Fac
 directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a ChatML
 chat_template, generation_config.json) plus train_stats.json and a model card (README.md).
 
-Runs on a GPU in about 15 minutes (the device machine: torch, transformers, tokenizers):
-    python3 tools/train_default_model.py --out OUT_DIR [--minutes 11]
-Then `nibble quantize` makes the INT4 variant (see models/README.md).
+Runs on a GPU in under 10 minutes (the device machine: torch, transformers, tokenizers):
+    python3 tools/train_default_model.py --out OUT_DIR [--minutes 6.5]
+Then `nibble quantize -m OUT_DIR -o OUT_DIR-int4` makes the INT4 variant. A model this small loses
+a lot to round-to-nearest INT4, so the last part of training (--qat-fraction) runs with its Linear
+weights fake-quantized exactly as `nibble quantize` will quantize them (quantization-aware
+training with a straight-through gradient); the checkpoint keeps the full-precision weights.
 
 The corpus is read in sorted path order and split into train / held-out by a hash of each file's
 path, so a rerun on the same machine sees the same data; the training windows are drawn with a
@@ -24,6 +27,7 @@ import sysconfig
 import time
 
 import torch
+from torch.nn.utils import parametrize
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -41,6 +45,63 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 SYSTEM = "<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>\n"
+
+
+class FakeInt4(torch.nn.Module):
+    """What `nibble quantize` (round to nearest, symmetric, GPTQ conventions: scale = 2·max|w|/15
+    rounded to f16, codes -8..7 per group of `group` inputs along the last dimension) does to a
+    weight, with a straight-through gradient: the forward pass sees the INT4 weight, the update
+    goes to the full-precision one."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, w):
+        k = w.shape[-1]
+        g = self.group if 0 < self.group < k else k
+        wg = w.float().reshape(*w.shape[:-1], k // g, g)
+        amax = wg.abs().amax(-1, keepdim=True)
+        amax = torch.where(amax == 0, torch.ones_like(amax), amax)
+        scale = (2 * amax / 15).to(torch.float16).float().clamp_min(1.2e-7)
+        q = (torch.clamp(torch.round(wg / scale), -8, 7) * scale).reshape(w.shape).to(w.dtype)
+        return w + (q - w).detach()
+
+
+def quantized_weights(model):
+    """(module, parameter name) of every weight `nibble quantize` turns into INT4: the Linear
+    layers of the decoder (attention projections) and the experts' fused gate/up and down
+    tensors; not the router, embeddings, norms or the (tied) lm_head."""
+    out = []
+    for name, module in model.named_modules():
+        if not name.startswith("model.layers."):
+            continue
+        if name.endswith("_proj") and isinstance(module, torch.nn.Linear):
+            out.append((module, "weight"))
+        elif name.endswith("mlp.experts"):
+            out.extend((module, p) for p in ("gate_up_proj", "down_proj"))
+    return out
+
+
+def set_fake_int4(model, group):
+    """Turns fake quantization on (group > 0) or off (group == 0, keeping the latent weights)."""
+    for module, pname in quantized_weights(model):
+        if group > 0:
+            parametrize.register_parametrization(module, pname, FakeInt4(group))
+        elif parametrize.is_parametrized(module, pname):
+            parametrize.remove_parametrizations(module, pname, leave_parametrized=False)
+
+
+def held_out_loss(model, val_ids, args, dev):
+    vgen = torch.Generator().manual_seed(args.seed + 1)
+    vals = []
+    with torch.no_grad(), torch.autocast(device_type=dev, dtype=torch.bfloat16), parametrize.cached():
+        for _ in range(40):
+            x = batches(val_ids, 16, args.seq, vgen).to(dev)
+            logits = model(input_ids=x[:, :-1]).logits.float()
+            vals.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                                          x[:, 1:].reshape(-1)).item())
+    return sum(vals) / len(vals)
 
 
 def corpus_files(max_bytes):
@@ -125,6 +186,10 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--qat-fraction", type=float, default=0.3,
+                    help="last fraction of the steps trained with INT4 fake-quantized weights")
+    ap.add_argument("--qat-group", type=int, default=128, help="group size of that quantization "
+                    "(use the same --group-size with nibble quantize)")
     args = ap.parse_args()
     t0 = time.time()
     random.seed(args.seed)
@@ -159,20 +224,28 @@ def main():
     gen = torch.Generator().manual_seed(args.seed)
     budget = args.minutes * 60
     start = time.time()
-    total_steps, warmup, step, losses = 10**9, 100, 0, []
+    # The schedule runs on the clock, not on a step count: the learning rate follows a cosine over
+    # the time budget (to a tenth of its peak) and quantization-aware training takes its last
+    # --qat-fraction, so the budget is used whatever the machine's speed (QAT steps are slower).
+    warmup, step, losses = 100, 0, []
+    qat_start, qat_on = None, False
     model.train()
     while True:
-        elapsed = time.time() - start
-        if step == 50:  # size the cosine schedule to the time budget from the measured rate
-            total_steps = max(100, int(50 * budget / elapsed))
-        if step >= total_steps or elapsed > budget:
+        progress = (time.time() - start) / budget
+        if progress >= 1.0:
             break
+        if args.qat_fraction > 0 and progress >= 1 - args.qat_fraction and not qat_on:
+            set_fake_int4(model, args.qat_group)
+            qat_start, qat_on = step, True
+            print(f"step {step}: INT4 fake quantization on (group {args.qat_group}), held-out loss "
+                  f"{held_out_loss(model, val_ids, args, dev):.3f} with it", flush=True)
+            model.train()
         lr = args.lr * (min(1.0, (step + 1) / warmup) if step < warmup else
-                        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup)))))
+                        0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
             g["lr"] = lr
         x = batches(train_ids, args.batch, args.seq, gen).to(dev)
-        with torch.autocast(device_type=dev, dtype=torch.bfloat16):
+        with torch.autocast(device_type=dev, dtype=torch.bfloat16), parametrize.cached():
             out = model(input_ids=x[:, :-1])
             logits = out.logits.float()
             ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
@@ -188,16 +261,11 @@ def main():
     train_loss = sum(losses[-100:]) / len(losses[-100:])
 
     model.eval()
-    vgen = torch.Generator().manual_seed(args.seed + 1)
-    with torch.no_grad(), torch.autocast(device_type=dev, dtype=torch.bfloat16):
-        vals = []
-        for _ in range(40):
-            x = batches(val_ids, 16, args.seq, vgen).to(dev)
-            logits = model(input_ids=x[:, :-1]).logits.float()
-            vals.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
-                                                          x[:, 1:].reshape(-1)).item())
-    val_loss = sum(vals) / len(vals)
-    print(f"done: {step} steps, train loss {train_loss:.3f}, held-out loss {val_loss:.3f}", flush=True)
+    val_loss_int4 = held_out_loss(model, val_ids, args, dev) if qat_on else None
+    set_fake_int4(model, 0)
+    val_loss = held_out_loss(model, val_ids, args, dev)
+    print(f"done: {step} steps, train loss {train_loss:.3f}, held-out loss {val_loss:.3f}"
+          f" (fake INT4: {val_loss_int4})", flush=True)
 
     model = model.to(torch.bfloat16)
     model.config.output_router_logits = False
@@ -225,6 +293,8 @@ def main():
         "held_out_tokens": len(val_ids), "vocab_size": tok.get_vocab_size(), "parameters": params,
         "steps": step, "batch": args.batch, "seq_len": args.seq, "tokens_seen": step * args.batch * args.seq,
         "final_train_loss": round(train_loss, 4), "held_out_loss": round(val_loss, 4), "seed": args.seed,
+        "qat_from_step": qat_start, "qat_group_size": args.qat_group if qat_on else None,
+        "held_out_loss_fake_int4": round(val_loss_int4, 4) if qat_on else None,
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "seconds": round(time.time() - t0, 1),
     }

@@ -8,8 +8,6 @@
 // rounding); the default f16 cache is held to kF16KvTolerance below.
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <iostream>
 
@@ -17,6 +15,7 @@
 #include "format/safetensors.h"
 #include "model/model.h"
 #include "runtime/generate.h"
+#include "reference_outputs.h"
 
 namespace nibble {
 namespace {
@@ -28,27 +27,9 @@ struct Expected {
   std::vector<float> logits;  // [prompt, vocab]
 };
 
-template <typename T>
-std::vector<T> read(const SafetensorsFile& f, const std::string& name) {
-  const TensorInfo& t = f.tensors().at(name);
-  std::vector<T> out(t.nbytes / sizeof(T));
-  std::memcpy(out.data(), t.data, t.nbytes);
-  return out;
-}
-
 Expected load_expected(const std::string& dir) {
   auto f = SafetensorsFile::open(dir + "/expected.safetensors");
-  return {read<int32_t>(*f, "prompt_ids"), read<int32_t>(*f, "greedy_ids"), read<float>(*f, "logits")};
-}
-
-double normalized_error(const float* a, const float* b, size_t n) {
-  double max_diff = 0, max_ref = 0;
-  for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    max_diff = std::max(max_diff, double(std::fabs(a[i] - b[i])));
-    max_ref = std::max(max_ref, double(std::fabs(b[i])));
-  }
-  return max_diff / max_ref;
+  return {test::read_tensor<int32_t>(*f, "prompt_ids"), test::read_tensor<int32_t>(*f, "greedy_ids"), test::read_tensor<float>(*f, "logits")};
 }
 
 // (model, device): every fixture on every backend; devices this machine lacks are skipped.
@@ -85,7 +66,7 @@ TEST_P(FixtureTest, LogitsMatchTransformers) {
     std::vector<float> logits;
     model->forward(want.prompt, 0, kv, true, logits);
     ASSERT_EQ(logits.size(), want.logits.size());
-    const double err = normalized_error(logits.data(), want.logits.data(), logits.size());
+    const double err = test::normalized_error(logits.data(), want.logits.data(), logits.size());
     EXPECT_LE(err, tolerance) << what << ": all-position logits";
     std::cout << what << ": max relative logit error " << err << "\n";
 
@@ -95,7 +76,7 @@ TEST_P(FixtureTest, LogitsMatchTransformers) {
     model->forward(prompt.first(5), 0, kv2, false, logits);
     model->forward(prompt.subspan(5), 5, kv2, false, logits);
     const float* last = want.logits.data() + (want.prompt.size() - 1) * size_t(vocab);
-    EXPECT_LE(normalized_error(logits.data(), last, size_t(vocab)), tolerance) << what << ": chunked prefill";
+    EXPECT_LE(test::normalized_error(logits.data(), last, size_t(vocab)), tolerance) << what << ": chunked prefill";
 
     // Blocks of 2 positions in reverse order in the pool: the block table is followed, not assumed.
     KvCache kv3 = model->make_kv_cache(int64_t(want.prompt.size()), 1);
@@ -105,7 +86,7 @@ TEST_P(FixtureTest, LogitsMatchTransformers) {
     std::vector<float> paged;
     model->forward(prompt.first(5), 0, kv3, false, paged);
     model->forward(prompt.subspan(5), 5, kv3, false, paged);
-    EXPECT_LE(normalized_error(paged.data(), logits.data(), size_t(vocab)), backend_->name() == "cpu" ? 0 : 1e-6)
+    EXPECT_LE(test::normalized_error(paged.data(), logits.data(), size_t(vocab)), backend_->name() == "cpu" ? 0 : 1e-6)
         << what << ": reversed block table";
   }
 }
