@@ -8,7 +8,10 @@
 //
 // Tolerances are fixture_test.cpp's: max |ours - theirs| / max |theirs| <= 1e-4 with an f32 KV
 // cache (both sides compute in f32 on the same weights, so more is a bug, not rounding) and 2e-3
-// with the f16 cache (every cached K and V rounded by up to 2^-11 relative).
+// with the f16 cache (every cached K and V rounded by up to 2^-11 relative). The CUDA backend's
+// INT4 kernels round activations and dequantised weights to f16 too (W4A16: kernels/gemv_mma.cuh),
+// so the INT4 variant on CUDA is held to the 16-bit tolerance with either cache (4e-4 measured on
+// an H100, against 8e-7 for BF16 weights with an f32 cache).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,7 +28,7 @@
 namespace nibble {
 namespace {
 
-constexpr double kTolerance = 1e-4, kF16KvTolerance = 2e-3;
+constexpr double kTolerance = 1e-4, kF16Tolerance = 2e-3;
 
 struct Expected {
   std::vector<int32_t> prompt, greedy;
@@ -84,7 +87,8 @@ TEST_P(BundledModelTest, LogitsMatchTransformers) {
     model->forward(want_.prompt, 0, kv, true, logits);
     ASSERT_EQ(logits.size(), want_.logits.size());
     const double err = test::normalized_error(logits.data(), want_.logits.data(), logits.size());
-    EXPECT_LE(err, dtype == DType::F32 ? kTolerance : kF16KvTolerance) << what << ": all-position logits";
+    const bool f16_math = dtype == DType::F16 || (variant() == "int4" && backend_->name() == "cuda");
+    EXPECT_LE(err, f16_math ? kF16Tolerance : kTolerance) << what << ": all-position logits";
     std::cout << what << ": max relative logit error " << err << "\n";
   }
 }
