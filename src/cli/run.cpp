@@ -1,4 +1,5 @@
-// nibble run: generate from a prompt (text, or token ids for debugging) and stream the result.
+// nibble run: generate from a prompt (text, a chat message rendered with the model's chat
+// template, or token ids for debugging) and stream the result.
 // Sampling defaults come from the model's generation_config.json, as in vLLM; flags override them.
 #include <fmt/format.h>
 
@@ -11,12 +12,13 @@
 #include "core/status.h"
 #include "model/model.h"
 #include "runtime/generate.h"
+#include "tokenizer/chat_template.h"
 
 namespace nibble::cli {
 namespace {
 
 struct RunOptions {
-  std::string model_dir, prompt, prompt_ids, device = "cpu";
+  std::string model_dir, prompt, prompt_ids, chat, system, chat_template_kwargs, device = "cpu";
   int64_t n_predict = 128, max_model_len = 0, logprobs = -1;
   std::optional<float> temperature, top_p, min_p, repetition_penalty;
   std::optional<int64_t> top_k;
@@ -48,8 +50,9 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 }
 
 void run(const RunOptions& o) {
-  NIBBLE_CHECK(o.prompt.empty() != o.prompt_ids.empty(), "give exactly one of --prompt and "
-               "--prompt-ids");
+  NIBBLE_CHECK(int(!o.prompt.empty()) + int(!o.prompt_ids.empty()) + int(!o.chat.empty()) == 1,
+               "give exactly one of --prompt, --chat and --prompt-ids");
+  NIBBLE_CHECK(o.system.empty() || !o.chat.empty(), "--system needs --chat");
   auto backend = make_backend(o.device);
   LoadOptions load;
   load.enforce_eager = o.enforce_eager;
@@ -63,7 +66,21 @@ void run(const RunOptions& o) {
   GenerationConfig gen = load_generation_config(o.model_dir);
 
   GenerateRequest req;
-  req.prompt = o.prompt_ids.empty() ? tokenizer.encode(o.prompt) : parse_ids(o.prompt_ids);
+  if (!o.chat.empty()) {
+    nlohmann::ordered_json kwargs = nlohmann::ordered_json::object();
+    if (!o.chat_template_kwargs.empty()) {
+      kwargs = nlohmann::ordered_json::parse(o.chat_template_kwargs, nullptr, false);
+      NIBBLE_CHECK(kwargs.is_object(), "--chat-template-kwargs: '{}' is not a JSON object", o.chat_template_kwargs);
+    }
+    nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+    if (!o.system.empty()) messages.push_back({{"role", "system"}, {"content", o.system}});
+    messages.push_back({{"role", "user"}, {"content", o.chat}});
+    const ChatTemplate tmpl = ChatTemplate::parse(load_chat_template_source(o.model_dir), o.model_dir + " chat template");
+    const std::string text = tmpl.render(chat_template_context(o.model_dir, messages, nullptr, true, kwargs));
+    req.prompt = tokenizer.encode(text);
+  } else {
+    req.prompt = o.prompt_ids.empty() ? tokenizer.encode(o.prompt) : parse_ids(o.prompt_ids);
+  }
   req.max_new_tokens = o.n_predict;
   req.max_context = o.max_model_len > 0 ? o.max_model_len : config.max_position_embeddings;
   req.top_logprobs = o.logprobs;
@@ -118,6 +135,10 @@ void add_run_command(CLI::App& app) {
       ->check(CLI::ExistingDirectory);
   cmd->add_option("-p,--prompt", o->prompt, "Prompt text");
   cmd->add_option("--prompt-ids", o->prompt_ids, "Prompt as comma-separated token ids");
+  cmd->add_option("--chat", o->chat, "A user message, rendered with the model's chat template");
+  cmd->add_option("--system", o->system, "A system message before --chat");
+  cmd->add_option("--chat-template-kwargs", o->chat_template_kwargs,
+                  "JSON object of extra template variables, e.g. '{\"enable_thinking\": false}'");
   cmd->add_option("-n,--max-tokens", o->n_predict, "Tokens to generate")->check(CLI::NonNegativeNumber);
   cmd->add_option("--temperature", o->temperature, "0 = greedy (default: generation_config)");
   cmd->add_option("--top-k", o->top_k, "Keep the k most likely tokens (0 = off)");

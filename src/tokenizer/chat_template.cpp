@@ -2024,6 +2024,29 @@ std::string ChatTemplate::render(const nlohmann::ordered_json& context, std::tim
   return r.render(context);
 }
 
+nlohmann::ordered_json chat_template_context(const std::string& model_dir, nlohmann::ordered_json messages,
+                                             nlohmann::ordered_json tools, bool add_generation_prompt,
+                                             const nlohmann::ordered_json& kwargs) {
+  NIBBLE_CHECK(messages.is_array(), "messages must be a list");
+  NIBBLE_CHECK(kwargs.is_object(), "chat template kwargs must be an object");
+  nlohmann::ordered_json ctx = {{"messages", std::move(messages)}, {"tools", std::move(tools)},
+                                {"documents", nullptr}, {"add_generation_prompt", add_generation_prompt}};
+  const std::filesystem::path cfg = std::filesystem::path(model_dir) / "tokenizer_config.json";
+  if (std::filesystem::exists(cfg)) {
+    std::ifstream in(cfg);
+    nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    NIBBLE_CHECK(!j.is_discarded(), "{}: not valid JSON", cfg.string());
+    for (const char* key : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
+      if (!j.contains(key)) continue;
+      const auto& v = j[key];  // a string, or an AddedToken {"content": ...}
+      if (v.is_string()) ctx[key] = v.get<std::string>();
+      else if (v.is_object() && v.contains("content") && v["content"].is_string()) ctx[key] = v["content"].get<std::string>();
+    }
+  }
+  for (auto& [k, v] : kwargs.items()) ctx[k] = v;
+  return ctx;
+}
+
 std::string load_chat_template_source(const std::string& model_dir) {
   namespace fs = std::filesystem;
   const fs::path cfg = fs::path(model_dir) / "tokenizer_config.json";

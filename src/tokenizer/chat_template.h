@@ -41,6 +41,14 @@ class ChatTemplate {
   std::shared_ptr<const jinja::Template> t_;
 };
 
+// The variables transformers' apply_chat_template gives a template: `messages`, `tools` (null
+// when none), `documents` (null), `add_generation_prompt`, the tokenizer's special tokens
+// (bos_token, eos_token, unk_token, pad_token from tokenizer_config.json, when set) and the
+// caller's kwargs (e.g. enable_thinking, reasoning_effort), which win over the rest.
+nlohmann::ordered_json chat_template_context(const std::string& model_dir, nlohmann::ordered_json messages,
+                                             nlohmann::ordered_json tools, bool add_generation_prompt,
+                                             const nlohmann::ordered_json& kwargs = nlohmann::ordered_json::object());
+
 // The model's chat template: tokenizer_config.json's `chat_template` (a string, or the list form
 // with a "default" entry), else chat_template.jinja. Throws nibble::Error when there is none.
 std::string load_chat_template_source(const std::string& model_dir);

@@ -14,6 +14,7 @@
 
 #include "format/safetensors.h"
 #include "format/safetensors_writer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace nibble {
 namespace {
@@ -276,6 +277,39 @@ TEST_F(CliTest, BadPrompts) {
   expect_error(run_nibble("run -m " + m + " --prompt hi --prompt-ids 1"), {"exactly one"});
   expect_error(run_nibble("run -m " + m + " --prompt hi --temperature -1"), {"temperature"});
   expect_error(run_nibble("run -m " + m + " --prompt hi --device tpu"), {"--device tpu"});
+  // Chat prompts: a model without a chat template, bad kwargs, --system alone.
+  expect_error(run_nibble("run -m " + m + " --chat hi"), {"no chat template"});
+  const std::string tiny = std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder";
+  expect_error(run_nibble("run -m " + tiny + " --chat hi --chat-template-kwargs '[1]'"), {"--chat-template-kwargs", "object"});
+  expect_error(run_nibble("run -m " + tiny + " --system hi --prompt x"), {"--system needs --chat"});
+  expect_error(run_nibble("run -m " + tiny + " --chat hi --prompt x"), {"exactly one"});
+}
+
+// --chat renders the bundled model's ChatML template (default system prompt, generation prompt):
+// the same ids as that text tokenized and given as --prompt-ids.
+TEST_F(CliTest, RunChatUsesTheModelsTemplate) {
+  const std::string tiny = std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder";
+  const std::string flags = " -n 12 --temperature 0 --json";
+  auto ids_of = [&](const std::string& text) {
+    std::string out;
+    for (int32_t id : Tokenizer::from_file(tiny + "/tokenizer.json").encode(text)) {
+      if (!out.empty()) out += ',';
+      out += std::to_string(id);
+    }
+    return out;
+  };
+  for (const std::string system : {"", "Be brief."}) {
+    const std::string chatml = "<|im_start|>system\n" + (system.empty() ? "You are a helpful coding assistant." : system) +
+                               "<|im_end|>\n<|im_start|>user\nReverse a string.<|im_end|>\n<|im_start|>assistant\n";
+    Result chat = run_nibble("run -m " + tiny + (system.empty() ? "" : " --system '" + system + "'") +
+                             " --chat 'Reverse a string.'" + flags);
+    ASSERT_EQ(chat.exit_code, 0) << chat.output;
+    Result raw = run_nibble("run -m " + tiny + " --prompt-ids " + ids_of(chatml) + flags);
+    ASSERT_EQ(raw.exit_code, 0) << raw.output;
+    auto body = [](const std::string& s) { return s.substr(0, s.find("prompt: ")); };  // not the timings
+    EXPECT_EQ(body(chat.output), body(raw.output)) << "system '" << system << "'";
+    EXPECT_FALSE(body(chat.output).empty());
+  }
 }
 
 }  // namespace
