@@ -8,6 +8,7 @@ namespace nibble::cli {
 void add_run_command(CLI::App& app);
 void add_info_command(CLI::App& app);
 void add_quantize_command(CLI::App& app);
+void add_serve_command(CLI::App& app);
 void add_bench_command(CLI::App& app, int argc, char** argv);
 
 }  // namespace nibble::cli

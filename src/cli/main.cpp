@@ -1,4 +1,4 @@
-// nibble: one binary for run | info | quantize | bench (and, as it lands, serve).
+// nibble: one binary for run | serve | info | quantize | bench.
 #include <fmt/format.h>
 
 #include "cli/commands.h"
@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", fmt::format("{} ({})", NIBBLE_VERSION, nibble::git_commit()));
   app.require_subcommand(1);
   nibble::cli::add_run_command(app);
+  nibble::cli::add_serve_command(app);
   nibble::cli::add_info_command(app);
   nibble::cli::add_quantize_command(app);
   nibble::cli::add_bench_command(app, argc, argv);

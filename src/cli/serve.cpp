@@ -1,0 +1,61 @@
+// nibble serve: the OpenAI-compatible server (src/server/), with vLLM's flag names.
+#include <fmt/format.h>
+
+#include <csignal>
+
+#include "cli/commands.h"
+#include "core/status.h"
+#include "server/openai_server.h"
+
+namespace nibble::cli {
+namespace {
+
+OpenAiServer* g_server = nullptr;
+
+extern "C" void on_signal(int) {
+  if (g_server) g_server->stop();  // closes the listening socket; run() returns
+}
+
+void serve(ServeOptions o, const std::string& positional) {
+  NIBBLE_CHECK(o.model_dir.empty() || positional.empty() || o.model_dir == positional,
+               "give the model once (as the argument or with --model)");
+  if (o.model_dir.empty()) o.model_dir = positional;
+  NIBBLE_CHECK(!o.model_dir.empty(), "nibble serve needs a model directory (nibble serve DIR or --model DIR)");
+  NIBBLE_CHECK(o.port >= 0 && o.port <= 65535, "--port {}: must be 0..65535", o.port);
+  OpenAiServer server(o);
+  const int port = server.bind();
+  g_server = &server;
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  fmt::print(stderr, "nibble serve: {} on http://{}:{} (device {}){}\n",
+             o.served_model_name.empty() ? o.model_dir : o.served_model_name, o.host, port, o.device,
+             o.api_key.empty() ? "" : ", API key required");
+  server.run();
+  g_server = nullptr;
+  fmt::print(stderr, "nibble serve: stopped\n");
+}
+
+}  // namespace
+
+void add_serve_command(CLI::App& app) {
+  auto o = std::make_shared<ServeOptions>();
+  auto positional = std::make_shared<std::string>();
+  CLI::App* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server (chat/completions, completions, models)");
+  cmd->add_option("model", *positional, "Hugging Face model directory")->check(CLI::ExistingDirectory);
+  cmd->add_option("-m,--model", o->model_dir, "Hugging Face model directory")->check(CLI::ExistingDirectory);
+  cmd->add_option("--host", o->host, "Address to listen on (default 127.0.0.1: this machine only)");
+  cmd->add_option("--port", o->port, "Port (default 8000; 0 picks a free one)");
+  cmd->add_option("--served-model-name", o->served_model_name, "Model name in the API (default: the model path)");
+  cmd->add_option("--max-model-len", o->max_model_len, "Context length, prompt plus output (default: the model's)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--max-num-seqs", o->max_num_seqs, "Most choices (n) one request may ask for")->check(CLI::PositiveNumber);
+  cmd->add_option("--api-key", o->api_key, "Require 'Authorization: Bearer KEY' on /v1/ routes");
+  cmd->add_option("--device", o->device, "cpu or cuda");
+  cmd->add_option("--reasoning-parser", o->reasoning_parser,
+                  "Split <think> blocks into reasoning_content: auto (when the chat template uses them), qwen3, none");
+  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16) or float32");
+  cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
+  cmd->callback([o, positional] { serve(*o, *positional); });
+}
+
+}  // namespace nibble::cli

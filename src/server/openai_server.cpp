@@ -1,0 +1,501 @@
+#include "server/openai_server.h"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <filesystem>
+#include <map>
+#include <random>
+
+#include "core/status.h"
+#include "format/hf_config.h"
+#include "model/model.h"
+#include "server/engine.h"
+#include "server/openai_request.h"
+#include "server/reasoning.h"
+#include "tokenizer/chat_template.h"
+
+namespace nibble {
+namespace {
+
+using json = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+
+// A Prometheus histogram with fixed buckets (seconds).
+struct Histogram {
+  std::vector<double> bounds;
+  std::vector<int64_t> counts;
+  double sum = 0;
+  int64_t n = 0;
+  explicit Histogram(std::vector<double> b) : bounds(std::move(b)), counts(bounds.size(), 0) {}
+  void observe(double x) {
+    for (size_t i = 0; i < bounds.size(); ++i)
+      if (x <= bounds[i]) ++counts[i];
+    sum += x;
+    ++n;
+  }
+  void write(std::string& out, const std::string& name, const std::string& help) const {
+    out += fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
+    for (size_t i = 0; i < bounds.size(); ++i) out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds[i], counts[i]);
+    out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, n, name, sum, name, n);
+  }
+};
+
+std::string random_id(const char* prefix) {
+  static std::mt19937_64 rng(std::random_device{}());
+  static std::mutex mu;
+  std::lock_guard lock(mu);
+  return fmt::format("{}-{:016x}{:08x}", prefix, rng(), uint32_t(rng()));
+}
+
+std::string sse(const json& j) {
+  return "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+}
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+void send_json(HttpResponse& res, int status, const json& body) { res.send(status, "application/json", dump(body)); }
+
+void send_error(HttpResponse& res, const RequestError& e) {
+  res.send(e.status, "application/json", e.body().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
+// One choice being generated: its job, text, tokens, logprobs and reasoning split.
+struct Choice {
+  std::shared_ptr<EngineJob> job;
+  std::string text, reasoning;
+  std::vector<GeneratedToken> tokens;
+  std::unique_ptr<ReasoningParser> parser;
+  std::string finish_reason;
+  int64_t completion_tokens = 0;
+};
+
+}  // namespace
+
+struct OpenAiServer::Impl {
+  ServeOptions o;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Model> model;
+  std::optional<Tokenizer> tokenizer;
+  std::optional<ChatTemplate> chat_template;
+  std::string template_error;
+  bool reasoning = false;
+  GenerationConfig gen;
+  int64_t max_model_len = 0;
+  std::unique_ptr<Engine> engine;
+  int64_t created = std::time(nullptr);
+
+  std::mutex metrics_mu;
+  std::map<std::string, int64_t> requests;  // "endpoint,status"
+  Histogram ttft{{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80}};
+  Histogram itl{{0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5}};
+  Histogram e2e{{0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960}};
+
+  explicit Impl(const ServeOptions& opts) : o(opts) {
+    backend = make_backend(o.device);
+    LoadOptions load;
+    load.enforce_eager = o.enforce_eager;
+    load.kv_cache_dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
+    model = load_model(o.model_dir, *backend, load);
+    const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
+    NIBBLE_CHECK(std::filesystem::exists(tok_path), "{}: missing (nibble serve needs the model's tokenizer)", tok_path);
+    tokenizer = Tokenizer::from_file(tok_path);
+    gen = load_generation_config(o.model_dir);
+    max_model_len = o.max_model_len > 0 ? o.max_model_len : model->config().max_position_embeddings;
+    NIBBLE_CHECK(max_model_len >= 2, "--max-model-len {} is too small", max_model_len);
+    if (o.served_model_name.empty()) o.served_model_name = o.model_dir;
+    try {
+      const std::string src = load_chat_template_source(o.model_dir);
+      chat_template = ChatTemplate::parse(src, o.model_dir + " chat template");
+      reasoning = o.reasoning_parser == "qwen3" || (o.reasoning_parser == "auto" && src.find("</think>") != std::string::npos);
+    } catch (const Error& e) {
+      template_error = e.what();  // /v1/chat/completions answers with it; /v1/completions still works
+    }
+    NIBBLE_CHECK(o.reasoning_parser == "auto" || o.reasoning_parser == "qwen3" || o.reasoning_parser == "none",
+                 "--reasoning-parser {}: must be auto, qwen3 or none", o.reasoning_parser);
+    engine = std::make_unique<Engine>(*model, *tokenizer);
+  }
+
+  void count(const std::string& endpoint, int status) {
+    std::lock_guard lock(metrics_mu);
+    ++requests[endpoint + "," + std::to_string(status)];
+  }
+
+  bool authorized(const HttpRequest& req) const {
+    return o.api_key.empty() || req.header("authorization") == "Bearer " + o.api_key;
+  }
+
+  json models() const {
+    return {{"object", "list"},
+            {"data", json::array({{{"id", o.served_model_name}, {"object", "model"}, {"created", created},
+                                   {"owned_by", "nibble"}, {"root", o.model_dir}, {"max_model_len", max_model_len}}})}};
+  }
+
+  std::string metrics() {
+    const EngineStats s = engine->stats();
+    std::string out;
+    auto gauge = [&](const char* name, const char* help, const char* type, int64_t v) {
+      out += fmt::format("# HELP {} {}\n# TYPE {} {}\n{} {}\n", name, help, name, type, name, v);
+    };
+    std::lock_guard lock(metrics_mu);
+    out += "# HELP nibble_requests_total HTTP requests by endpoint and status\n# TYPE nibble_requests_total counter\n";
+    for (auto& [k, v] : requests) {
+      const size_t comma = k.find(',');
+      out += fmt::format("nibble_requests_total{{endpoint=\"{}\",status=\"{}\"}} {}\n", k.substr(0, comma), k.substr(comma + 1), v);
+    }
+    gauge("nibble_num_requests_waiting", "Generations queued", "gauge", s.waiting);
+    gauge("nibble_num_requests_running", "Generations running", "gauge", s.running);
+    gauge("nibble_prompt_tokens_total", "Prompt tokens processed", "counter", s.prompt_tokens);
+    gauge("nibble_generation_tokens_total", "Tokens generated", "counter", s.generation_tokens);
+    gauge("nibble_request_success_total", "Generations finished", "counter", s.finished);
+    gauge("nibble_request_cancelled_total", "Generations cancelled (client gone)", "counter", s.cancelled);
+    ttft.write(out, "nibble_time_to_first_token_seconds", "Time from request to first token");
+    itl.write(out, "nibble_inter_token_latency_seconds", "Time between consecutive tokens");
+    e2e.write(out, "nibble_e2e_request_latency_seconds", "Time from request to last token");
+    return out;
+  }
+
+  // The request's sampling over the model's generation_config defaults (as vLLM).
+  GenerateRequest make_request(const ApiRequest& r, std::vector<int32_t> prompt) {
+    const int64_t n_prompt = int64_t(prompt.size());
+    const std::string what = r.kind == ApiRequest::kChat ? "messages" : "prompt";
+    if (n_prompt >= max_model_len)
+      throw RequestError(400, r.kind == ApiRequest::kChat ? "messages" : "prompt",
+                         fmt::format("This model's maximum context length is {} tokens. However, your {} has {} "
+                                     "tokens (prompt plus at least one generated token must fit).",
+                                     max_model_len, what, n_prompt));
+    if (r.max_tokens && n_prompt + *r.max_tokens > max_model_len)
+      throw RequestError(400, "max_tokens",
+                         fmt::format("This model's maximum context length is {} tokens. However, you requested {} "
+                                     "tokens ({} in the {}, {} in the completion). Please reduce the length of the "
+                                     "{} or completion.",
+                                     max_model_len, n_prompt + *r.max_tokens, n_prompt, what, *r.max_tokens, what));
+    for (int32_t id : prompt)
+      if (id >= tokenizer->vocab_size() && id >= model->config().vocab_size)
+        throw RequestError(400, "prompt", fmt::format("token id {} is outside the vocabulary", id));
+    GenerateRequest g;
+    g.prompt = std::move(prompt);
+    g.max_context = max_model_len;
+    g.max_new_tokens = r.max_tokens.value_or(max_model_len - n_prompt);
+    g.stop_strings = r.stop;
+    g.top_logprobs = r.logprobs;
+    if (!r.ignore_eos)
+      for (int64_t id : gen.eos_token_ids.empty() ? model->config().eos_token_ids : gen.eos_token_ids)
+        g.stop_ids.push_back(int32_t(id));
+    g.stop_ids.insert(g.stop_ids.end(), r.stop_token_ids.begin(), r.stop_token_ids.end());
+    SamplingParams& s = g.sampling;
+    s = r.sampling;
+    s.temperature = r.temperature.value_or(gen.temperature >= 0 ? float(gen.temperature) : 1.f);
+    s.top_p = r.top_p.value_or(gen.top_p > 0 ? float(gen.top_p) : 1.f);
+    s.top_k = r.top_k.value_or(gen.top_k > 0 ? gen.top_k : 0);
+    s.min_p = r.min_p.value_or(gen.min_p >= 0 ? float(gen.min_p) : 0.f);
+    s.repetition_penalty = r.repetition_penalty.value_or(gen.repetition_penalty > 0 ? float(gen.repetition_penalty) : 1.f);
+    if (!r.has_seed) s.seed = std::random_device{}() | (uint64_t(std::random_device{}()) << 32);
+    return g;
+  }
+
+  json logprob_entry(const GeneratedToken& t) const {
+    auto one = [&](int32_t id, float lp) {
+      const std::string bytes = tokenizer->token_bytes(id);
+      json b = json::array();
+      for (unsigned char c : bytes) b.push_back(int(c));
+      return json{{"token", bytes}, {"logprob", lp}, {"bytes", b}};
+    };
+    json e = one(t.id, t.logprob);
+    json top = json::array();
+    for (auto& x : t.top) top.push_back(one(x.id, x.logprob));
+    e["top_logprobs"] = top;
+    return e;
+  }
+
+  void handle_generate(const HttpRequest& req, HttpResponse& res, bool chat) {
+    const std::string endpoint = chat ? "chat" : "completions";
+    const auto t0 = Clock::now();
+    ApiRequest r;
+    std::vector<int32_t> prompt;
+    bool starts_in_reasoning = false;
+    try {
+      const json body = parse_request_body(req.body);
+      RequestLimits limits;
+      limits.max_n = o.max_num_seqs;
+      r = chat ? parse_chat_request(body, limits) : parse_completion_request(body, limits);
+      if (!r.model.empty() && r.model != o.served_model_name)
+        throw RequestError(404, "model", fmt::format("The model `{}` does not exist.", r.model));
+      if (chat) {
+        if (!chat_template) throw RequestError(400, "messages", template_error);
+        std::string text;
+        try {
+          text = chat_template->render(
+              chat_template_context(o.model_dir, r.messages, r.tools, r.add_generation_prompt, r.chat_template_kwargs));
+        } catch (const Error& e) {
+          throw RequestError(400, "messages", e.what());
+        }
+        prompt = tokenizer->encode(text);
+        const size_t tail = text.find_last_not_of(" \t\r\n");
+        starts_in_reasoning = reasoning && tail != std::string::npos && tail >= 6 && text.compare(tail - 6, 7, "<think>") == 0;
+      } else {
+        prompt = r.prompt_ids.empty() ? tokenizer->encode(r.prompt) : r.prompt_ids;
+      }
+      GenerateRequest g = make_request(r, prompt);
+      validate(g.sampling);
+      std::vector<Choice> choices(size_t(r.n));
+      for (int64_t i = 0; i < r.n; ++i) {
+        GenerateRequest gi = g;
+        gi.sampling.seed = g.sampling.seed + uint64_t(i);
+        choices[size_t(i)].job = engine->submit(std::move(gi));
+        if (chat && reasoning) choices[size_t(i)].parser = std::make_unique<ReasoningParser>(starts_in_reasoning);
+      }
+      const int status = r.stream ? stream(res, r, choices, prompt, chat, t0) : whole(res, r, choices, prompt, chat, t0);
+      count(endpoint, status);
+    } catch (const RequestError& e) {
+      count(endpoint, e.status);
+      send_error(res, e);
+    } catch (const Error& e) {
+      count(endpoint, 400);
+      send_error(res, RequestError(400, "", e.what()));
+    }
+  }
+
+  // Waits for a choice's next event, cancelling every job when the client is gone.
+  std::optional<EngineEvent> next_event(std::vector<Choice>& choices, Choice& c, HttpResponse& res) {
+    while (true) {
+      if (auto e = c.job->next(std::chrono::milliseconds(50))) return e;
+      if (res.client_gone()) {
+        for (auto& x : choices) x.job->cancel();
+        return std::nullopt;
+      }
+    }
+  }
+
+  void observe_token(Clock::time_point t0, Clock::time_point& last, bool first) {
+    const auto now = Clock::now();
+    std::lock_guard lock(metrics_mu);
+    if (first) ttft.observe(std::chrono::duration<double>(now - t0).count());
+    else itl.observe(std::chrono::duration<double>(now - last).count());
+    last = now;
+  }
+
+  json usage(const std::vector<Choice>& choices, size_t n_prompt) const {
+    int64_t completion = 0;
+    for (auto& c : choices) completion += c.completion_tokens;
+    return {{"prompt_tokens", n_prompt}, {"completion_tokens", completion}, {"total_tokens", int64_t(n_prompt) + completion},
+            {"prompt_tokens_details", {{"cached_tokens", 0}}}};
+  }
+
+  int whole(HttpResponse& res, const ApiRequest& r, std::vector<Choice>& choices, const std::vector<int32_t>& prompt,
+            bool chat, Clock::time_point t0) {
+    for (auto& c : choices) {
+      Clock::time_point last;
+      bool first = true;
+      while (true) {
+        auto e = next_event(choices, c, res);
+        if (!e) return 499;  // client closed the connection; nothing to send
+        if (e->kind == EngineEvent::kError) throw RequestError(400, "", e->text);
+        if (e->kind == EngineEvent::kDone) {
+          c.finish_reason = e->result.finish_reason;
+          c.completion_tokens = int64_t(e->result.ids.size());
+          break;
+        }
+        if (e->token.id >= 0) {
+          observe_token(t0, last, first);
+          first = false;
+          c.tokens.push_back(e->token);
+        }
+        if (c.parser) {
+          auto d = c.parser->push(e->text);
+          c.reasoning += d.reasoning;
+          c.text += d.content;
+        } else {
+          c.text += e->text;
+        }
+      }
+      if (c.parser) {
+        auto d = c.parser->flush();
+        c.reasoning += d.reasoning;
+        c.text += d.content;
+      }
+    }
+    {
+      std::lock_guard lock(metrics_mu);
+      e2e.observe(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    json out_choices = json::array();
+    for (size_t i = 0; i < choices.size(); ++i) {
+      Choice& c = choices[i];
+      json logprobs = nullptr;
+      if (r.logprobs >= 0) {
+        if (chat) {
+          logprobs = {{"content", json::array()}};
+          for (auto& t : c.tokens) logprobs["content"].push_back(logprob_entry(t));
+        } else {
+          json tokens = json::array(), lps = json::array(), tops = json::array(), offs = json::array();
+          size_t off = 0;
+          for (auto& t : c.tokens) {
+            const std::string s = tokenizer->token_bytes(t.id);
+            tokens.push_back(s);
+            lps.push_back(t.logprob);
+            json top = json::object();
+            for (auto& x : t.top) top[tokenizer->token_bytes(x.id)] = x.logprob;
+            tops.push_back(top);
+            offs.push_back(off);
+            off += s.size();
+          }
+          logprobs = {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
+        }
+      }
+      if (chat) {
+        json msg = {{"role", "assistant"}, {"content", c.text}};
+        if (c.parser) msg["reasoning_content"] = c.reasoning.empty() ? json(nullptr) : json(c.reasoning);
+        out_choices.push_back({{"index", i}, {"message", msg}, {"logprobs", logprobs}, {"finish_reason", c.finish_reason}});
+      } else {
+        const std::string text = r.echo ? (r.prompt.empty() ? tokenizer->decode(prompt) : r.prompt) + c.text : c.text;
+        out_choices.push_back({{"index", i}, {"text", text}, {"logprobs", logprobs}, {"finish_reason", c.finish_reason}});
+      }
+    }
+    send_json(res, 200,
+              {{"id", random_id(chat ? "chatcmpl" : "cmpl")}, {"object", chat ? "chat.completion" : "text_completion"},
+               {"created", std::time(nullptr)}, {"model", o.served_model_name}, {"choices", out_choices},
+               {"usage", usage(choices, prompt.size())}});
+    return 200;
+  }
+
+  int stream(HttpResponse& res, const ApiRequest& r, std::vector<Choice>& choices, const std::vector<int32_t>& prompt,
+             bool chat, Clock::time_point t0) {
+    const std::string id = random_id(chat ? "chatcmpl" : "cmpl");
+    const int64_t created_at = std::time(nullptr);
+    auto chunk = [&](size_t index, json delta_or_text, json finish, json logprobs) {
+      json choice = {{"index", index}};
+      if (chat) choice["delta"] = std::move(delta_or_text);
+      else choice["text"] = std::move(delta_or_text);
+      choice["logprobs"] = std::move(logprobs);
+      choice["finish_reason"] = std::move(finish);
+      json c = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created_at},
+                {"model", o.served_model_name}, {"choices", json::array({choice})}};
+      if (r.include_usage) c["usage"] = nullptr;
+      return sse(c);
+    };
+    auto cancel_all = [&] {
+      for (auto& x : choices) x.job->cancel();
+      return 499;
+    };
+    if (!res.start_stream(200, "text/event-stream")) return cancel_all();
+    for (size_t i = 0; i < choices.size(); ++i) {
+      Choice& c = choices[i];
+      if (chat && !res.write_chunk(chunk(i, {{"role", "assistant"}, {"content", ""}}, nullptr, nullptr))) return cancel_all();
+      if (!chat && r.echo && !res.write_chunk(chunk(i, r.prompt.empty() ? tokenizer->decode(prompt) : r.prompt, nullptr, nullptr)))
+        return cancel_all();
+      Clock::time_point last;
+      bool first = true;
+      while (true) {
+        auto e = next_event(choices, c, res);
+        if (!e) return 499;
+        if (e->kind == EngineEvent::kError) {
+          res.write_chunk(sse({{"error", {{"message", e->text}, {"type", "BadRequestError"}, {"param", nullptr}, {"code", 400}}}}));
+          res.write_chunk("data: [DONE]\n\n");
+          res.end_stream();
+          return 400;
+        }
+        std::string content, reasoning_delta;
+        if (e->kind == EngineEvent::kDone) {
+          c.finish_reason = e->result.finish_reason;
+          c.completion_tokens = int64_t(e->result.ids.size());
+          if (c.parser) {
+            auto d = c.parser->flush();
+            content = d.content;
+            reasoning_delta = d.reasoning;
+          }
+        } else {
+          if (e->token.id >= 0) {
+            observe_token(t0, last, first);
+            first = false;
+          }
+          if (c.parser) {
+            auto d = c.parser->push(e->text);
+            content = d.content;
+            reasoning_delta = d.reasoning;
+          } else {
+            content = e->text;
+          }
+        }
+        json logprobs = nullptr;
+        if (r.logprobs >= 0 && e->kind == EngineEvent::kToken && e->token.id >= 0) {
+          if (chat) logprobs = {{"content", json::array({logprob_entry(e->token)})}};
+          else {
+            json top = json::object();
+            for (auto& x : e->token.top) top[tokenizer->token_bytes(x.id)] = x.logprob;
+            logprobs = {{"tokens", {tokenizer->token_bytes(e->token.id)}}, {"token_logprobs", {e->token.logprob}},
+                        {"top_logprobs", {top}}, {"text_offset", {0}}};
+          }
+        }
+        if (!reasoning_delta.empty() && !res.write_chunk(chunk(i, {{"reasoning_content", reasoning_delta}}, nullptr, nullptr)))
+          return cancel_all();
+        if ((!content.empty() || !logprobs.is_null()) &&
+            !res.write_chunk(chunk(i, chat ? json{{"content", content}} : json(content), nullptr, logprobs)))
+          return cancel_all();
+        if (e->kind == EngineEvent::kDone) {
+          if (!res.write_chunk(chunk(i, chat ? json::object() : json(""), c.finish_reason, nullptr))) return cancel_all();
+          break;
+        }
+      }
+    }
+    if (r.include_usage) {
+      json u = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created_at},
+                {"model", o.served_model_name}, {"choices", json::array()}, {"usage", usage(choices, prompt.size())}};
+      if (!res.write_chunk(sse(u))) return cancel_all();
+    }
+    res.write_chunk("data: [DONE]\n\n");
+    res.end_stream();
+    std::lock_guard lock(metrics_mu);
+    e2e.observe(std::chrono::duration<double>(Clock::now() - t0).count());
+    return 200;
+  }
+};
+
+OpenAiServer::OpenAiServer(const ServeOptions& options) : impl_(std::make_unique<Impl>(options)) {
+  HttpServerOptions h;
+  h.host = options.host;
+  h.port = options.port;
+  http_ = std::make_unique<HttpServer>(h, [this](const HttpRequest& req, HttpResponse& res) { handle(req, res); });
+}
+
+OpenAiServer::~OpenAiServer() {
+  if (http_) http_->stop();
+}
+
+int OpenAiServer::bind() { return http_->bind(); }
+void OpenAiServer::run() { http_->run(); }
+void OpenAiServer::stop() { http_->stop(); }
+
+void OpenAiServer::handle(const HttpRequest& req, HttpResponse& res) {
+  Impl& s = *impl_;
+  const std::string& p = req.path;
+  auto method_is = [&](const char* m) {
+    if (req.method == m) return true;
+    send_error(res, RequestError(405, "", fmt::format("{} {}: method not allowed (use {})", req.method, p, m), "MethodNotAllowed"));
+    return false;
+  };
+  if (p == "/health") {
+    if (method_is("GET")) res.send(200, "text/plain", "");
+    return;
+  }
+  if (p == "/metrics") {
+    if (method_is("GET")) res.send(200, "text/plain; version=0.0.4", s.metrics());
+    return;
+  }
+  if (p.rfind("/v1/", 0) == 0 && !s.authorized(req)) {
+    s.count("auth", 401);
+    send_error(res, RequestError(401, "", "missing or wrong API key (send 'Authorization: Bearer <key>')", "AuthenticationError"));
+    return;
+  }
+  if (p == "/v1/models") {
+    if (method_is("GET")) send_json(res, 200, s.models());
+    return;
+  }
+  if (p == "/v1/chat/completions" || p == "/v1/completions") {
+    if (method_is("POST")) s.handle_generate(req, res, p == "/v1/chat/completions");
+    return;
+  }
+  send_error(res, RequestError(404, "", fmt::format("no route {} {}", req.method, p), "NotFoundError"));
+}
+
+}  // namespace nibble

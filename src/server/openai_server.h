@@ -1,0 +1,42 @@
+// `nibble serve`: the OpenAI-compatible HTTP API over the engine. Routes: POST /v1/chat/completions
+// and /v1/completions (streamed as Server-Sent Events or not), GET /v1/models, /health, /metrics
+// (Prometheus text). Requests are checked field by field (openai_request.h), rendered with the
+// model's chat template, and answered in OpenAI's shapes, with reasoning split into
+// reasoning_content for models that think in <think> blocks.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "server/http.h"
+
+namespace nibble {
+
+struct ServeOptions {
+  std::string model_dir, served_model_name, api_key, device = "cpu";
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  int64_t max_model_len = 0;  // 0: the model's
+  int64_t max_num_seqs = 16;  // the most choices one request may ask for (n)
+  std::string reasoning_parser = "auto";  // auto (on when the chat template writes </think>), qwen3, none
+  std::string kv_cache_dtype = "auto";
+  bool enforce_eager = false;
+};
+
+class OpenAiServer {
+ public:
+  explicit OpenAiServer(const ServeOptions& options);
+  ~OpenAiServer();
+  int bind();  // returns the port
+  void run();
+  void stop();
+  // One request, as the HTTP layer calls it (public for tests).
+  void handle(const HttpRequest& req, HttpResponse& res);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<HttpServer> http_;
+};
+
+}  // namespace nibble

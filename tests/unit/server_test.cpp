@@ -1,0 +1,280 @@
+// `nibble serve` in process on the bundled model (CPU), driven over real sockets: the routes,
+// chat and completions with and without streaming, greedy agreement between endpoints, seeded
+// sampling, stop strings, usage, concurrency (clients at once get what they get one at a time),
+// bad requests with OpenAI-shaped errors, the API key, and a client that disconnects mid-stream
+// (its generation is cancelled and the server goes on).
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <future>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "server/openai_server.h"
+
+namespace nibble {
+namespace {
+
+using json = nlohmann::json;
+
+struct Reply {
+  int status = 0;
+  std::string headers, body;  // body de-chunked
+  json j() const { return json::parse(body); }
+};
+
+int connect_to(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(uint16_t(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  return fd;
+}
+
+Reply parse_reply(const std::string& raw) {
+  Reply r;
+  const size_t end = raw.find("\r\n\r\n");
+  if (end == std::string::npos) return r;
+  r.headers = raw.substr(0, end);
+  r.status = std::stoi(raw.substr(9, 3));
+  std::string body = raw.substr(end + 4);
+  if (r.headers.find("Transfer-Encoding: chunked") != std::string::npos) {
+    size_t p = 0;
+    while (p < body.size()) {
+      const size_t eol = body.find("\r\n", p);
+      const size_t n = std::stoul(body.substr(p, eol - p), nullptr, 16);
+      if (n == 0) break;
+      r.body += body.substr(eol + 2, n);
+      p = eol + 2 + n + 2;
+    }
+  } else {
+    r.body = body;
+  }
+  return r;
+}
+
+Reply request(int port, const std::string& method, const std::string& path, const std::string& body = "",
+              const std::string& extra_headers = "") {
+  const int fd = connect_to(port);
+  const std::string req = method + " " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + extra_headers +
+                          "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  std::string raw;
+  char buf[8192];
+  ssize_t n;
+  while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) raw.append(buf, size_t(n));
+  ::close(fd);
+  return parse_reply(raw);
+}
+
+Reply post(int port, const std::string& path, const json& body, const std::string& headers = "") {
+  return request(port, "POST", path, body.dump(), headers);
+}
+
+// The SSE events of a streamed reply, without the [DONE] marker (which must be last).
+std::vector<json> events(const Reply& r) {
+  std::vector<json> out;
+  size_t p = 0;
+  bool done = false;
+  while ((p = r.body.find("data: ", p)) != std::string::npos) {
+    const size_t e = r.body.find("\n\n", p);
+    const std::string data = r.body.substr(p + 6, e - p - 6);
+    EXPECT_FALSE(done) << "event after [DONE]";
+    if (data == "[DONE]") done = true;
+    else out.push_back(json::parse(data));
+    p = e;
+  }
+  EXPECT_TRUE(done) << r.body;
+  return out;
+}
+
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    ServeOptions o;
+    o.model_dir = std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder";
+    o.served_model_name = "tiny";
+    o.port = 0;
+    o.api_key = "";
+    server_ = new OpenAiServer(o);
+    port_ = server_->bind();
+    thread_ = new std::thread([] { server_->run(); });
+  }
+  static void TearDownTestSuite() {
+    server_->stop();
+    thread_->join();
+    delete thread_;
+    delete server_;
+  }
+  static json chat(const std::string& content, json extra = json::object()) {
+    json b = {{"model", "tiny"}, {"messages", {{{"role", "user"}, {"content", content}}}}, {"max_tokens", 16},
+              {"temperature", 0}};
+    b.update(extra);
+    return b;
+  }
+  static inline OpenAiServer* server_ = nullptr;
+  static inline std::thread* thread_ = nullptr;
+  static inline int port_ = 0;
+};
+
+TEST_F(ServerTest, HealthModelsAndRoutes) {
+  EXPECT_EQ(request(port_, "GET", "/health").status, 200);
+  Reply m = request(port_, "GET", "/v1/models");
+  ASSERT_EQ(m.status, 200);
+  EXPECT_EQ(m.j()["data"][0]["id"], "tiny");
+  EXPECT_EQ(m.j()["data"][0]["max_model_len"], 2048);
+  EXPECT_EQ(request(port_, "GET", "/v1/nothing").status, 404);
+  EXPECT_EQ(request(port_, "GET", "/v1/chat/completions").status, 405);
+}
+
+TEST_F(ServerTest, ChatGreedyEqualsCompletionOfTheRenderedPrompt) {
+  Reply c = post(port_, "/v1/chat/completions", chat("Reverse a string."));
+  ASSERT_EQ(c.status, 200) << c.body;
+  const json j = c.j();
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["model"], "tiny");
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["usage"]["completion_tokens"], 16);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  const std::string chatml = "<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>\n<|im_start|>user\n"
+                             "Reverse a string.<|im_end|>\n<|im_start|>assistant\n";
+  Reply p = post(port_, "/v1/completions", {{"prompt", chatml}, {"max_tokens", 16}, {"temperature", 0}});
+  ASSERT_EQ(p.status, 200) << p.body;
+  EXPECT_EQ(p.j()["choices"][0]["text"], j["choices"][0]["message"]["content"]);
+  EXPECT_EQ(p.j()["usage"]["prompt_tokens"], j["usage"]["prompt_tokens"]);
+}
+
+TEST_F(ServerTest, StreamingDeltasAddUpToTheWholeAnswer) {
+  const json whole = post(port_, "/v1/chat/completions", chat("Write a loop.")).j();
+  Reply s = post(port_, "/v1/chat/completions",
+                 chat("Write a loop.", {{"stream", true}, {"stream_options", {{"include_usage", true}}}}));
+  ASSERT_EQ(s.status, 200);
+  EXPECT_NE(s.headers.find("text/event-stream"), std::string::npos);
+  std::string text;
+  std::string finish;
+  json usage;
+  for (const json& e : events(s)) {
+    EXPECT_EQ(e["object"], "chat.completion.chunk");
+    if (!e["usage"].is_null()) usage = e["usage"];
+    if (e["choices"].empty()) continue;
+    const json& d = e["choices"][0]["delta"];
+    if (d.contains("content")) text += d["content"].get<std::string>();
+    if (!e["choices"][0]["finish_reason"].is_null()) finish = e["choices"][0]["finish_reason"];
+  }
+  EXPECT_EQ(text, whole["choices"][0]["message"]["content"]);
+  EXPECT_EQ(finish, "length");
+  EXPECT_EQ(usage["completion_tokens"], 16);
+}
+
+TEST_F(ServerTest, SeedsStopStringsAndN) {
+  const json sampled = chat("Write a class.", {{"temperature", 0.9}, {"seed", 11}, {"max_tokens", 24}});
+  EXPECT_EQ(post(port_, "/v1/chat/completions", sampled).j()["choices"][0]["message"]["content"],
+            post(port_, "/v1/chat/completions", sampled).j()["choices"][0]["message"]["content"]);
+  const json two = post(port_, "/v1/chat/completions", chat("Write a class.", {{"temperature", 0.9}, {"seed", 11}, {"n", 2}})).j();
+  ASSERT_EQ(two["choices"].size(), 2u);
+  EXPECT_EQ(two["choices"][1]["index"], 1);
+  Reply stop = post(port_, "/v1/completions", {{"prompt", "def fib(n):"}, {"max_tokens", 40}, {"temperature", 0}, {"stop", "\n"}});
+  ASSERT_EQ(stop.status, 200) << stop.body;
+  EXPECT_EQ(stop.j()["choices"][0]["text"].get<std::string>().find('\n'), std::string::npos);
+  EXPECT_EQ(stop.j()["choices"][0]["finish_reason"], "stop");
+  Reply lp = post(port_, "/v1/chat/completions", chat("hi", {{"logprobs", true}, {"top_logprobs", 3}, {"max_tokens", 4}}));
+  ASSERT_EQ(lp.status, 200) << lp.body;
+  const json lpj = lp.j();
+  const json& content = lpj["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 4u);
+  EXPECT_EQ(content[0]["top_logprobs"].size(), 3u);
+  EXPECT_LE(content[0]["logprob"].get<double>(), 0.0);
+}
+
+TEST_F(ServerTest, ClientsAtOnceGetWhatTheyGetOneAtATime) {
+  std::vector<std::string> prompts;
+  for (int i = 0; i < 8; ++i) prompts.push_back("Task number " + std::to_string(i));
+  std::vector<std::string> alone;
+  for (auto& p : prompts) alone.push_back(post(port_, "/v1/chat/completions", chat(p)).j()["choices"][0]["message"]["content"]);
+  std::vector<std::future<std::string>> together;
+  for (auto& p : prompts)
+    together.push_back(std::async(std::launch::async, [&, p] {
+      return post(port_, "/v1/chat/completions", chat(p)).j()["choices"][0]["message"]["content"].get<std::string>();
+    }));
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(together[i].get(), alone[i]) << prompts[i];
+}
+
+TEST_F(ServerTest, BadRequestsGetOpenAiErrors) {
+  struct Bad {
+    std::string body;
+    int status;
+    const char* says;
+  };
+  const std::string long_prompt(20000, 'x');
+  const Bad cases[] = {
+      {"{not json", 400, "not valid JSON"},
+      {"[]", 400, "JSON object"},
+      {chat("x", {{"model", "other"}}).dump(), 404, "does not exist"},
+      {chat("x", {{"max_tokens", 0}}).dump(), 400, "at least 1"},
+      {chat("x", {{"max_tokens", 100000000}}).dump(), 400, "maximum context length"},
+      {chat(long_prompt).dump(), 400, "maximum context length"},
+      {chat("x", {{"temperature", "hot"}}).dump(), 400, "temperature"},
+      {"{\"messages\": [{\"role\": \"user\", \"content\": \"\xff\"}]}", 400, "UTF-8"},
+  };
+  for (const Bad& b : cases) {
+    Reply r = request(port_, "POST", "/v1/chat/completions", b.body);
+    EXPECT_EQ(r.status, b.status) << b.body.substr(0, 80) << " -> " << r.body;
+    ASSERT_FALSE(r.body.empty());
+    const json e = r.j()["error"];
+    EXPECT_NE(e["message"].get<std::string>().find(b.says), std::string::npos) << r.body;
+    EXPECT_EQ(e["code"], b.status);
+  }
+  Reply big = request(port_, "POST", "/v1/completions", std::string(40 << 20, ' '));
+  EXPECT_EQ(big.status, 413);
+  // The server still answers after all that.
+  EXPECT_EQ(post(port_, "/v1/completions", {{"prompt", "a"}, {"max_tokens", 1}}).status, 200);
+}
+
+TEST_F(ServerTest, DisconnectMidStreamCancelsTheGeneration) {
+  auto cancelled = [&] {
+    const std::string m = request(port_, "GET", "/metrics").body;
+    const size_t p = m.find("\nnibble_request_cancelled_total ");
+    return std::stoll(m.substr(p + 32));
+  };
+  const int64_t before = cancelled();
+  const int fd = connect_to(port_);
+  const std::string body = chat("Write a long module.", {{"stream", true}, {"max_tokens", 1900}, {"ignore_eos", true}}).dump();
+  const std::string req = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) +
+                          "\r\n\r\n" + body;
+  ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  char buf[4096];
+  ASSERT_GT(::recv(fd, buf, sizeof buf, 0), 0);  // the stream has started
+  ::close(fd);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (cancelled() == before && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(cancelled(), before + 1);
+  // Well before 1,900 tokens would have taken, the next request is served.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+  EXPECT_EQ(post(port_, "/v1/completions", {{"prompt", "a"}, {"max_tokens", 1}}).status, 200);
+}
+
+TEST(ServerAuth, ApiKeyIsRequiredOnV1Routes) {
+  ServeOptions o;
+  o.model_dir = std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder";
+  o.port = 0;
+  o.api_key = "sekrit";
+  OpenAiServer server(o);
+  const int port = server.bind();
+  std::thread t([&] { server.run(); });
+  EXPECT_EQ(request(port, "GET", "/v1/models").status, 401);
+  EXPECT_EQ(request(port, "GET", "/v1/models", "", "Authorization: Bearer wrong\r\n").status, 401);
+  EXPECT_EQ(request(port, "GET", "/v1/models", "", "Authorization: Bearer sekrit\r\n").status, 200);
+  EXPECT_EQ(request(port, "GET", "/health").status, 200);  // health checks need no key
+  server.stop();
+  t.join();
+}
+
+}  // namespace
+}  // namespace nibble
