@@ -731,6 +731,7 @@ class Parser {
   }
 
   NodePtr parse_statement() {
+    DepthGuard guard(*this);
     const int line = peek().line;
     const std::string kw = expect_name();
     auto n = std::make_shared<Node>();
@@ -859,6 +860,7 @@ class Parser {
   }
 
   ExprPtr parse_expr() {
+    DepthGuard guard(*this);
     ExprPtr e = parse_or();
     while (is_name("if")) {
       ++p_;
@@ -893,6 +895,7 @@ class Parser {
     return l;
   }
   ExprPtr parse_not() {
+    DepthGuard guard(*this);
     if (is_name("not")) {
       const int line = next().line;
       ExprPtr e = make(Expr::kNot, line);
@@ -956,6 +959,7 @@ class Parser {
   ExprPtr parse_unary_filtered() { return parse_unary(true); }
   // As Jinja2: `-3 | abs` is (-3) | abs; filters and tests bind to the whole unary expression.
   ExprPtr parse_unary(bool with_filters = true) {
+    DepthGuard guard(*this);
     ExprPtr e;
     if (is_op("-") || is_op("+")) {
       const Token& t = next();
@@ -1135,8 +1139,18 @@ class Parser {
                                                                : t.text));
   }
 
+  // Nesting deeper than any real template would exhaust the stack on hostile input.
+  struct DepthGuard {
+    explicit DepthGuard(Parser& p) : p_(p) {
+      if (++p_.depth_ > 200) p_.error("expressions or blocks nested too deeply");
+    }
+    ~DepthGuard() { --p_.depth_; }
+    Parser& p_;
+  };
+
   std::vector<Token> t_;
   size_t p_ = 0;
+  int depth_ = 0;
   const std::string& name_;
 };
 
@@ -1234,6 +1248,9 @@ class Renderer {
   }
 
   void exec(const Node& n, Scope& scope, std::string& out, LoopControl& lc) {
+    // A hostile or broken template must fail, not hang the server or exhaust its memory.
+    if (++steps_ > 5'000'000) error(n.line, "the template runs too long (over 5 million steps)");
+    if (out.size() > (64u << 20)) error(n.line, "the template's output is over 64 MiB");
     switch (n.kind) {
       case Node::kText: out += n.text; return;
       case Node::kOutput: out += to_str(eval(*n.expr, scope)); return;
@@ -1299,6 +1316,7 @@ class Renderer {
       // A fresh scope per iteration, as Jinja2: assignments in the body neither leak out of the
       // loop nor carry over to the next iteration (templates use namespace() for that).
       Scope s{{}, &scope};
+      if (++steps_ > 5'000'000) error(n.line, "the template runs too long (over 5 million steps)");
       auto loop = std::make_shared<Dict>();
       loop->set("index", Value::integer(i + 1));
       loop->set("index0", Value::integer(i));
@@ -1320,6 +1338,12 @@ class Renderer {
   Value make_macro(const Node& n) {
     const Node* node = &n;
     return Value::function([this, node](Args& a) {
+      if (macro_depth_ >= 100) error(node->line, fmt::format("macro '{}' recursed more than 100 deep", node->text));
+      struct Depth {
+        int& d;
+        explicit Depth(int& x) : d(++x) {}
+        ~Depth() { --d; }
+      } depth(macro_depth_);
       Scope s{{}, &root_};
       for (size_t i = 0; i < node->targets.size(); ++i) {
         Value v = a.get(i, node->targets[i].c_str());
@@ -2005,6 +2029,8 @@ class Renderer {
   const Template& t_;
   std::time_t now_;
   Scope globals_, root_;
+  int64_t steps_ = 0;
+  int macro_depth_ = 0;
 };
 
 }  // namespace

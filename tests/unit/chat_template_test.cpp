@@ -114,6 +114,10 @@ TEST(ChatTemplate, ErrorsNameTheProblem) {
       {"{% set x.y = 1 %}", "is not a namespace"},
       {"{{ nothing() }}", "is not callable"},
       {"line one\n{{ 1 +  }}", "snippet:2"},
+      // Hostile templates fail instead of exhausting the stack, the clock or memory.
+      {"{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed more than 100 deep"},
+      {"{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "runs too long"},
+      {"{% set s = 'x' * 10000000 %}{% for i in range(100) %}{{ s }}{% endfor %}", "over 64 MiB"},
   };
   for (const Bad& b : cases) {
     try {
@@ -123,6 +127,8 @@ TEST(ChatTemplate, ErrorsNameTheProblem) {
       EXPECT_NE(std::string(e.what()).find(b.says), std::string::npos) << b.src << " -> " << e.what();
     }
   }
+  const std::string deep = "{{ " + std::string(500, '(') + "1" + std::string(500, ')') + " }}";
+  EXPECT_THROW(ChatTemplate::parse(deep, "snippet"), Error);
 }
 
 }  // namespace
