@@ -58,9 +58,10 @@ void HttpResponse::send(int status, const std::string& content_type, const std::
 
 bool HttpResponse::start_stream(int status, const std::string& content_type) {
   sent_ = streaming_ = true;
-  return write_all(fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nCache-Control: no-cache\r\n"
-                               "Transfer-Encoding: chunked\r\nConnection: {}\r\n\r\n",
-                               status, http_reason(status), content_type, keep_alive ? "keep-alive" : "close"));
+  return write_all(
+      fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nCache-Control: no-cache\r\n"
+                  "Transfer-Encoding: chunked\r\nConnection: {}\r\n\r\n",
+                  status, http_reason(status), content_type, keep_alive ? "keep-alive" : "close"));
 }
 
 bool HttpResponse::write_chunk(const std::string& data) {
@@ -86,9 +87,7 @@ bool HttpResponse::client_gone() const {
 HttpServer::HttpServer(HttpServerOptions options, HttpHandler handler)
     : options_(std::move(options)), handler_(std::move(handler)) {}
 
-HttpServer::~HttpServer() {
-  stop();
-}
+HttpServer::~HttpServer() { stop(); }
 
 int HttpServer::bind() {
   addrinfo hints{}, *res = nullptr;
@@ -130,7 +129,9 @@ void HttpServer::run() {
     if (connections_ >= options_.max_connections) {
       HttpResponse r(fd);
       r.keep_alive = false;
-      r.send(503, "application/json", R"({"error": {"message": "too many connections", "type": "ServiceUnavailable", "param": null, "code": 503}})");
+      r.send(
+          503, "application/json",
+          R"({"error": {"message": "too many connections", "type": "ServiceUnavailable", "param": null, "code": 503}})");
       ::close(fd);
       continue;
     }
@@ -174,8 +175,8 @@ std::string trim(const std::string& s) {
 void send_error(HttpResponse& r, int status, const std::string& message) {
   r.keep_alive = false;
   r.send(status, "application/json",
-         fmt::format(R"({{"error": {{"message": "{}", "type": "BadRequestError", "param": null, "code": {}}}}})", message,
-                     status));
+         fmt::format(R"({{"error": {{"message": "{}", "type": "BadRequestError", "param": null, "code": {}}}}})",
+                     message, status));
 }
 
 }  // namespace
@@ -245,8 +246,9 @@ void HttpServer::serve_connection(int fd) {
       length = std::stoull(cl);
     }
     if (length > options_.max_body_bytes) {
-      send_error(res, 413, fmt::format("request body of {} bytes is larger than the limit of {} bytes", length,
-                                       options_.max_body_bytes));
+      send_error(res, 413,
+                 fmt::format("request body of {} bytes is larger than the limit of {} bytes", length,
+                             options_.max_body_bytes));
       return;
     }
     while (buf.size() < length) {
@@ -258,7 +260,9 @@ void HttpServer::serve_connection(int fd) {
     req.body = buf.substr(0, length);
     buf.erase(0, length);
     handler_(req, res);
-    if (!res.sent()) res.send(500, "application/json", R"({"error": {"message": "no response", "type": "InternalServerError", "param": null, "code": 500}})");
+    if (!res.sent())
+      res.send(500, "application/json",
+               R"({"error": {"message": "no response", "type": "InternalServerError", "param": null, "code": 500}})");
     if (!res.keep_alive) return;
   }
 }

@@ -42,11 +42,15 @@ std::optional<int64_t> get_int(const json& body, const char* name, int64_t lo, i
   const json* v = field(body, name);
   if (!v) return std::nullopt;
   int64_t x = 0;
-  if (v->is_number_integer()) x = v->get<int64_t>();
-  else if (v->is_number_unsigned()) x = v->get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX : int64_t(v->get<uint64_t>());
-  else if (v->is_number_float() && std::floor(v->get<double>()) == v->get<double>() && std::fabs(v->get<double>()) < 9e18)
+  if (v->is_number_integer())
+    x = v->get<int64_t>();
+  else if (v->is_number_unsigned())
+    x = v->get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX : int64_t(v->get<uint64_t>());
+  else if (v->is_number_float() && std::floor(v->get<double>()) == v->get<double>() &&
+           std::fabs(v->get<double>()) < 9e18)
     x = int64_t(v->get<double>());
-  else bad(name, fmt::format("'{}' must be an integer, not {}", name, type_name(*v)));
+  else
+    bad(name, fmt::format("'{}' must be an integer, not {}", name, type_name(*v)));
   if (x < lo || x > hi) bad(name, fmt::format("'{}' is {}; it must be between {} and {}", name, x, lo, hi));
   return x;
 }
@@ -69,7 +73,8 @@ void parse_common(const json& body, ApiRequest& r, const RequestLimits& limits) 
   r.stream = get_bool(body, "stream").value_or(false);
   if (const json* so = field(body, "stream_options")) {
     if (!r.stream) bad("stream_options", "'stream_options' can only be given when 'stream' is true");
-    if (!so->is_object()) bad("stream_options", fmt::format("'stream_options' must be an object, not {}", type_name(*so)));
+    if (!so->is_object())
+      bad("stream_options", fmt::format("'stream_options' must be an object, not {}", type_name(*so)));
     r.include_usage = get_bool(*so, "include_usage").value_or(false);
   }
   r.n = get_int(body, "n", 1, limits.max_n).value_or(1);
@@ -96,7 +101,8 @@ void parse_common(const json& body, ApiRequest& r, const RequestLimits& limits) 
       r.stop.push_back(stop->get<std::string>());
     } else if (stop->is_array()) {
       for (const json& s : *stop) {
-        if (!s.is_string()) bad("stop", fmt::format("'stop' must be a string or a list of strings; found {}", type_name(s)));
+        if (!s.is_string())
+          bad("stop", fmt::format("'stop' must be a string or a list of strings; found {}", type_name(s)));
         r.stop.push_back(s.get<std::string>());
       }
     } else {
@@ -122,7 +128,8 @@ void parse_common(const json& body, ApiRequest& r, const RequestLimits& limits) 
 json message_content(const json& content, size_t i) {
   const std::string param = fmt::format("messages[{}].content", i);
   if (content.is_null() || content.is_string()) return content;
-  if (!content.is_array()) bad(param, fmt::format("'{}' must be a string or a list of parts, not {}", param, type_name(content)));
+  if (!content.is_array())
+    bad(param, fmt::format("'{}' must be a string or a list of parts, not {}", param, type_name(content)));
   std::string text;
   for (const json& part : content) {
     if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
@@ -142,7 +149,9 @@ json message_content(const json& content, size_t i) {
 
 nlohmann::json RequestError::body() const {
   return {{"error",
-           {{"message", what()}, {"type", type}, {"param", param.empty() ? nlohmann::json(nullptr) : nlohmann::json(param)},
+           {{"message", what()},
+            {"type", type},
+            {"param", param.empty() ? nlohmann::json(nullptr) : nlohmann::json(param)},
             {"code", status}}}};
 }
 
@@ -179,7 +188,8 @@ ApiRequest parse_chat_request(const json& body, const RequestLimits& limits) {
     const std::string role = m["role"].get<std::string>();
     if (role != "system" && role != "user" && role != "assistant" && role != "tool" && role != "developer")
       bad(fmt::format("messages[{}].role", i), fmt::format("messages[{}].role '{}' is not one of system, developer, "
-                                                           "user, assistant, tool", i, role));
+                                                           "user, assistant, tool",
+                                                           i, role));
     json out = m;  // other fields (tool_calls, tool_call_id, name, reasoning_content) go to the template
     out["content"] = message_content(m.contains("content") ? m["content"] : json(nullptr), i);
     if (out["content"].is_null() && role != "assistant")

@@ -5,11 +5,10 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/status.h"
 #include "runtime/sampler.h"
@@ -19,7 +18,9 @@ namespace nibble {
 class RequestError : public Error {
  public:
   RequestError(int http_status, std::string param, const std::string& message, std::string type = "")
-      : Error(message), status(http_status), param(std::move(param)),
+      : Error(message),
+        status(http_status),
+        param(std::move(param)),
         type(type.empty() ? (http_status == 404 ? "NotFoundError" : "BadRequestError") : std::move(type)) {}
   int status;
   std::string param, type;
@@ -35,8 +36,8 @@ struct ApiRequest {
   nlohmann::ordered_json tools;     // chat: null or the list of tool definitions
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool add_generation_prompt = true;
-  std::string prompt;                 // completions: text prompt
-  std::vector<int32_t> prompt_ids;    // completions: token-id prompt
+  std::string prompt;               // completions: text prompt
+  std::vector<int32_t> prompt_ids;  // completions: token-id prompt
   bool stream = false, include_usage = false;
   int64_t n = 1;
   std::optional<int64_t> max_tokens;  // max_tokens or max_completion_tokens

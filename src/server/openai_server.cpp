@@ -36,7 +36,8 @@ struct Histogram {
   }
   void write(std::string& out, const std::string& name, const std::string& help) const {
     out += fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
-    for (size_t i = 0; i < bounds.size(); ++i) out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds[i], counts[i]);
+    for (size_t i = 0; i < bounds.size(); ++i)
+      out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds[i], counts[i]);
     out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, n, name, sum, name, n);
   }
 };
@@ -48,9 +49,7 @@ std::string random_id(const char* prefix) {
   return fmt::format("{}-{:016x}{:08x}", prefix, rng(), uint32_t(rng()));
 }
 
-std::string sse(const json& j) {
-  return "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
-}
+std::string sse(const json& j) { return "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n"; }
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
@@ -88,7 +87,8 @@ struct OpenAiServer::Impl {
   std::mutex metrics_mu;
   std::map<std::string, int64_t> requests;  // "endpoint,status"
   Histogram ttft{{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80}};
-  Histogram itl{{0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5}};
+  Histogram itl{{0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                 0.075, 0.1,    0.15,  0.2,  0.3,   0.4,  0.5,   0.75, 1,    2.5}};
   Histogram e2e{{0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960}};
 
   explicit Impl(const ServeOptions& opts) : o(opts) {
@@ -107,7 +107,8 @@ struct OpenAiServer::Impl {
     try {
       const std::string src = load_chat_template_source(o.model_dir);
       chat_template = ChatTemplate::parse(src, o.model_dir + " chat template");
-      reasoning = o.reasoning_parser == "qwen3" || (o.reasoning_parser == "auto" && src.find("</think>") != std::string::npos);
+      reasoning =
+          o.reasoning_parser == "qwen3" || (o.reasoning_parser == "auto" && src.find("</think>") != std::string::npos);
     } catch (const Error& e) {
       template_error = e.what();  // /v1/chat/completions answers with it; /v1/completions still works
     }
@@ -127,8 +128,12 @@ struct OpenAiServer::Impl {
 
   json models() const {
     return {{"object", "list"},
-            {"data", json::array({{{"id", o.served_model_name}, {"object", "model"}, {"created", created},
-                                   {"owned_by", "nibble"}, {"root", o.model_dir}, {"max_model_len", max_model_len}}})}};
+            {"data", json::array({{{"id", o.served_model_name},
+                                   {"object", "model"},
+                                   {"created", created},
+                                   {"owned_by", "nibble"},
+                                   {"root", o.model_dir},
+                                   {"max_model_len", max_model_len}}})}};
   }
 
   std::string metrics() {
@@ -141,7 +146,8 @@ struct OpenAiServer::Impl {
     out += "# HELP nibble_requests_total HTTP requests by endpoint and status\n# TYPE nibble_requests_total counter\n";
     for (auto& [k, v] : requests) {
       const size_t comma = k.find(',');
-      out += fmt::format("nibble_requests_total{{endpoint=\"{}\",status=\"{}\"}} {}\n", k.substr(0, comma), k.substr(comma + 1), v);
+      out += fmt::format("nibble_requests_total{{endpoint=\"{}\",status=\"{}\"}} {}\n", k.substr(0, comma),
+                         k.substr(comma + 1), v);
     }
     gauge("nibble_num_requests_waiting", "Generations queued", "gauge", s.waiting);
     gauge("nibble_num_requests_running", "Generations running", "gauge", s.running);
@@ -189,7 +195,8 @@ struct OpenAiServer::Impl {
     s.top_p = r.top_p.value_or(gen.top_p > 0 ? float(gen.top_p) : 1.f);
     s.top_k = r.top_k.value_or(gen.top_k > 0 ? gen.top_k : 0);
     s.min_p = r.min_p.value_or(gen.min_p >= 0 ? float(gen.min_p) : 0.f);
-    s.repetition_penalty = r.repetition_penalty.value_or(gen.repetition_penalty > 0 ? float(gen.repetition_penalty) : 1.f);
+    s.repetition_penalty =
+        r.repetition_penalty.value_or(gen.repetition_penalty > 0 ? float(gen.repetition_penalty) : 1.f);
     if (!r.has_seed) s.seed = std::random_device{}() | (uint64_t(std::random_device{}()) << 32);
     return g;
   }
@@ -232,7 +239,8 @@ struct OpenAiServer::Impl {
         }
         prompt = tokenizer->encode(text);
         const size_t tail = text.find_last_not_of(" \t\r\n");
-        starts_in_reasoning = reasoning && tail != std::string::npos && tail >= 6 && text.compare(tail - 6, 7, "<think>") == 0;
+        starts_in_reasoning =
+            reasoning && tail != std::string::npos && tail >= 6 && text.compare(tail - 6, 7, "<think>") == 0;
       } else {
         prompt = r.prompt_ids.empty() ? tokenizer->encode(r.prompt) : r.prompt_ids;
       }
@@ -245,7 +253,8 @@ struct OpenAiServer::Impl {
         choices[size_t(i)].job = engine->submit(std::move(gi));
         if (chat && reasoning) choices[size_t(i)].parser = std::make_unique<ReasoningParser>(starts_in_reasoning);
       }
-      const int status = r.stream ? stream(res, r, choices, prompt, chat, t0) : whole(res, r, choices, prompt, chat, t0);
+      const int status =
+          r.stream ? stream(res, r, choices, prompt, chat, t0) : whole(res, r, choices, prompt, chat, t0);
       count(endpoint, status);
     } catch (const RequestError& e) {
       count(endpoint, e.status);
@@ -270,15 +279,19 @@ struct OpenAiServer::Impl {
   void observe_token(Clock::time_point t0, Clock::time_point& last, bool first) {
     const auto now = Clock::now();
     std::lock_guard lock(metrics_mu);
-    if (first) ttft.observe(std::chrono::duration<double>(now - t0).count());
-    else itl.observe(std::chrono::duration<double>(now - last).count());
+    if (first)
+      ttft.observe(std::chrono::duration<double>(now - t0).count());
+    else
+      itl.observe(std::chrono::duration<double>(now - last).count());
     last = now;
   }
 
   json usage(const std::vector<Choice>& choices, size_t n_prompt) const {
     int64_t completion = 0;
     for (auto& c : choices) completion += c.completion_tokens;
-    return {{"prompt_tokens", n_prompt}, {"completion_tokens", completion}, {"total_tokens", int64_t(n_prompt) + completion},
+    return {{"prompt_tokens", n_prompt},
+            {"completion_tokens", completion},
+            {"total_tokens", int64_t(n_prompt) + completion},
             {"prompt_tokens_details", {{"cached_tokens", 0}}}};
   }
 
@@ -346,15 +359,20 @@ struct OpenAiServer::Impl {
       if (chat) {
         json msg = {{"role", "assistant"}, {"content", c.text}};
         if (c.parser) msg["reasoning_content"] = c.reasoning.empty() ? json(nullptr) : json(c.reasoning);
-        out_choices.push_back({{"index", i}, {"message", msg}, {"logprobs", logprobs}, {"finish_reason", c.finish_reason}});
+        out_choices.push_back(
+            {{"index", i}, {"message", msg}, {"logprobs", logprobs}, {"finish_reason", c.finish_reason}});
       } else {
         const std::string text = r.echo ? (r.prompt.empty() ? tokenizer->decode(prompt) : r.prompt) + c.text : c.text;
-        out_choices.push_back({{"index", i}, {"text", text}, {"logprobs", logprobs}, {"finish_reason", c.finish_reason}});
+        out_choices.push_back(
+            {{"index", i}, {"text", text}, {"logprobs", logprobs}, {"finish_reason", c.finish_reason}});
       }
     }
     send_json(res, 200,
-              {{"id", random_id(chat ? "chatcmpl" : "cmpl")}, {"object", chat ? "chat.completion" : "text_completion"},
-               {"created", std::time(nullptr)}, {"model", o.served_model_name}, {"choices", out_choices},
+              {{"id", random_id(chat ? "chatcmpl" : "cmpl")},
+               {"object", chat ? "chat.completion" : "text_completion"},
+               {"created", std::time(nullptr)},
+               {"model", o.served_model_name},
+               {"choices", out_choices},
                {"usage", usage(choices, prompt.size())}});
     return 200;
   }
@@ -365,12 +383,17 @@ struct OpenAiServer::Impl {
     const int64_t created_at = std::time(nullptr);
     auto chunk = [&](size_t index, json delta_or_text, json finish, json logprobs) {
       json choice = {{"index", index}};
-      if (chat) choice["delta"] = std::move(delta_or_text);
-      else choice["text"] = std::move(delta_or_text);
+      if (chat)
+        choice["delta"] = std::move(delta_or_text);
+      else
+        choice["text"] = std::move(delta_or_text);
       choice["logprobs"] = std::move(logprobs);
       choice["finish_reason"] = std::move(finish);
-      json c = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created_at},
-                {"model", o.served_model_name}, {"choices", json::array({choice})}};
+      json c = {{"id", id},
+                {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", created_at},
+                {"model", o.served_model_name},
+                {"choices", json::array({choice})}};
       if (r.include_usage) c["usage"] = nullptr;
       return sse(c);
     };
@@ -381,8 +404,10 @@ struct OpenAiServer::Impl {
     if (!res.start_stream(200, "text/event-stream")) return cancel_all();
     for (size_t i = 0; i < choices.size(); ++i) {
       Choice& c = choices[i];
-      if (chat && !res.write_chunk(chunk(i, {{"role", "assistant"}, {"content", ""}}, nullptr, nullptr))) return cancel_all();
-      if (!chat && r.echo && !res.write_chunk(chunk(i, r.prompt.empty() ? tokenizer->decode(prompt) : r.prompt, nullptr, nullptr)))
+      if (chat && !res.write_chunk(chunk(i, {{"role", "assistant"}, {"content", ""}}, nullptr, nullptr)))
+        return cancel_all();
+      if (!chat && r.echo &&
+          !res.write_chunk(chunk(i, r.prompt.empty() ? tokenizer->decode(prompt) : r.prompt, nullptr, nullptr)))
         return cancel_all();
       Clock::time_point last;
       bool first = true;
@@ -390,7 +415,8 @@ struct OpenAiServer::Impl {
         auto e = next_event(choices, c, res);
         if (!e) return 499;
         if (e->kind == EngineEvent::kError) {
-          res.write_chunk(sse({{"error", {{"message", e->text}, {"type", "BadRequestError"}, {"param", nullptr}, {"code", 400}}}}));
+          res.write_chunk(
+              sse({{"error", {{"message", e->text}, {"type", "BadRequestError"}, {"param", nullptr}, {"code", 400}}}}));
           res.write_chunk("data: [DONE]\n\n");
           res.end_stream();
           return 400;
@@ -419,28 +445,37 @@ struct OpenAiServer::Impl {
         }
         json logprobs = nullptr;
         if (r.logprobs >= 0 && e->kind == EngineEvent::kToken && e->token.id >= 0) {
-          if (chat) logprobs = {{"content", json::array({logprob_entry(e->token)})}};
+          if (chat)
+            logprobs = {{"content", json::array({logprob_entry(e->token)})}};
           else {
             json top = json::object();
             for (auto& x : e->token.top) top[tokenizer->token_bytes(x.id)] = x.logprob;
-            logprobs = {{"tokens", {tokenizer->token_bytes(e->token.id)}}, {"token_logprobs", {e->token.logprob}},
-                        {"top_logprobs", {top}}, {"text_offset", {0}}};
+            logprobs = {{"tokens", {tokenizer->token_bytes(e->token.id)}},
+                        {"token_logprobs", {e->token.logprob}},
+                        {"top_logprobs", {top}},
+                        {"text_offset", {0}}};
           }
         }
-        if (!reasoning_delta.empty() && !res.write_chunk(chunk(i, {{"reasoning_content", reasoning_delta}}, nullptr, nullptr)))
+        if (!reasoning_delta.empty() &&
+            !res.write_chunk(chunk(i, {{"reasoning_content", reasoning_delta}}, nullptr, nullptr)))
           return cancel_all();
         if ((!content.empty() || !logprobs.is_null()) &&
             !res.write_chunk(chunk(i, chat ? json{{"content", content}} : json(content), nullptr, logprobs)))
           return cancel_all();
         if (e->kind == EngineEvent::kDone) {
-          if (!res.write_chunk(chunk(i, chat ? json::object() : json(""), c.finish_reason, nullptr))) return cancel_all();
+          if (!res.write_chunk(chunk(i, chat ? json::object() : json(""), c.finish_reason, nullptr)))
+            return cancel_all();
           break;
         }
       }
     }
     if (r.include_usage) {
-      json u = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created_at},
-                {"model", o.served_model_name}, {"choices", json::array()}, {"usage", usage(choices, prompt.size())}};
+      json u = {{"id", id},
+                {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", created_at},
+                {"model", o.served_model_name},
+                {"choices", json::array()},
+                {"usage", usage(choices, prompt.size())}};
       if (!res.write_chunk(sse(u))) return cancel_all();
     }
     res.write_chunk("data: [DONE]\n\n");
@@ -471,7 +506,8 @@ void OpenAiServer::handle(const HttpRequest& req, HttpResponse& res) {
   const std::string& p = req.path;
   auto method_is = [&](const char* m) {
     if (req.method == m) return true;
-    send_error(res, RequestError(405, "", fmt::format("{} {}: method not allowed (use {})", req.method, p, m), "MethodNotAllowed"));
+    send_error(res, RequestError(405, "", fmt::format("{} {}: method not allowed (use {})", req.method, p, m),
+                                 "MethodNotAllowed"));
     return false;
   };
   if (p == "/health") {
@@ -484,7 +520,8 @@ void OpenAiServer::handle(const HttpRequest& req, HttpResponse& res) {
   }
   if (p.rfind("/v1/", 0) == 0 && !s.authorized(req)) {
     s.count("auth", 401);
-    send_error(res, RequestError(401, "", "missing or wrong API key (send 'Authorization: Bearer <key>')", "AuthenticationError"));
+    send_error(res, RequestError(401, "", "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                 "AuthenticationError"));
     return;
   }
   if (p == "/v1/models") {

@@ -197,11 +197,16 @@ std::string py_quote(const std::string& s) {
   const char q = s.find('\'') != std::string::npos && s.find('"') == std::string::npos ? '"' : '\'';
   std::string out(1, q);
   for (char c : s) {
-    if (c == q || c == '\\') out += '\\', out += c;
-    else if (c == '\n') out += "\\n";
-    else if (c == '\t') out += "\\t";
-    else if (c == '\r') out += "\\r";
-    else out += c;
+    if (c == q || c == '\\')
+      out += '\\', out += c;
+    else if (c == '\n')
+      out += "\\n";
+    else if (c == '\t')
+      out += "\\t";
+    else if (c == '\r')
+      out += "\\r";
+    else
+      out += c;
   }
   return out + q;
 }
@@ -251,8 +256,10 @@ void to_json(const Value& v, int indent, int depth, std::string& out) {
           case '\b': out += "\\b"; break;
           case '\f': out += "\\f"; break;
           default:
-            if (c < 0x20) out += fmt::format("\\u{:04x}", c);
-            else out += char(c);
+            if (c < 0x20)
+              out += fmt::format("\\u{:04x}", c);
+            else
+              out += char(c);
         }
       }
       out += '"';
@@ -341,9 +348,12 @@ uint32_t decode_cp(const std::string& cp) {
 
 std::string encode_cp(uint32_t v) {
   std::string o;
-  if (v < 0x80) o += char(v);
-  else if (v < 0x800) o += char(0xC0 | (v >> 6)), o += char(0x80 | (v & 0x3F));
-  else if (v < 0x10000) o += char(0xE0 | (v >> 12)), o += char(0x80 | ((v >> 6) & 0x3F)), o += char(0x80 | (v & 0x3F));
+  if (v < 0x80)
+    o += char(v);
+  else if (v < 0x800)
+    o += char(0xC0 | (v >> 6)), o += char(0x80 | (v & 0x3F));
+  else if (v < 0x10000)
+    o += char(0xE0 | (v >> 12)), o += char(0x80 | ((v >> 6) & 0x3F)), o += char(0x80 | (v & 0x3F));
   else
     o += char(0xF0 | (v >> 18)), o += char(0x80 | ((v >> 12) & 0x3F)), o += char(0x80 | ((v >> 6) & 0x3F)),
         o += char(0x80 | (v & 0x3F));
@@ -462,8 +472,10 @@ class Lexer {
       if (strip_right) {
         while (pos_ < src_.size() && std::isspace(static_cast<unsigned char>(src_[pos_]))) advance_to(pos_ + 1);
       } else if (kind != '{') {  // trim_blocks: the first newline after a block tag
-        if (src_.compare(pos_, 2, "\r\n") == 0) advance_to(pos_ + 2);
-        else if (pos_ < src_.size() && src_[pos_] == '\n') advance_to(pos_ + 1);
+        if (src_.compare(pos_, 2, "\r\n") == 0)
+          advance_to(pos_ + 2);
+        else if (pos_ < src_.size() && src_[pos_] == '\n')
+          advance_to(pos_ + 1);
       }
     }
     if (!text.empty()) out_.push_back({Token::kText, text, line_});
@@ -559,9 +571,12 @@ class Lexer {
               if (p + 4 >= src_.size()) error("bad \\u escape");
               const uint32_t cp = uint32_t(std::stoul(src_.substr(p + 1, 4), nullptr, 16));
               p += 4;
-              if (cp < 0x80) s += char(cp);
-              else if (cp < 0x800) s += char(0xC0 | (cp >> 6)), s += char(0x80 | (cp & 0x3F));
-              else s += char(0xE0 | (cp >> 12)), s += char(0x80 | ((cp >> 6) & 0x3F)), s += char(0x80 | (cp & 0x3F));
+              if (cp < 0x80)
+                s += char(cp);
+              else if (cp < 0x800)
+                s += char(0xC0 | (cp >> 6)), s += char(0x80 | (cp & 0x3F));
+              else
+                s += char(0xE0 | (cp >> 12)), s += char(0x80 | ((cp >> 6) & 0x3F)), s += char(0x80 | (cp & 0x3F));
               break;
             }
             default: s += '\\', s += e;
@@ -571,8 +586,8 @@ class Lexer {
         out_.push_back({Token::kString, s, line_});
         advance_to(p + 1);
       } else {
-        static const char* ops[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%", "~", "<", ">", "(",
-                                    ")", "[", "]", "{", "}", ",", ".", ":", "|", "="};
+        static const char* ops[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%", "~", "<",
+                                    ">",  "(",  ")",  "[",  "]",  "{",  "}", ",", ".", ":", "|", "="};
         bool found = false;
         for (const char* op : ops) {
           const size_t n = std::char_traits<char>::length(op);
@@ -620,8 +635,25 @@ class Lexer {
 struct Expr;
 using ExprPtr = std::shared_ptr<Expr>;
 struct Expr {
-  enum Kind { kLiteral, kName, kAttr, kItem, kSlice, kCall, kFilter, kTest, kUnary, kBinary, kAnd, kOr, kNot,
-              kCond, kList, kTuple, kDict };
+  enum Kind {
+    kLiteral,
+    kName,
+    kAttr,
+    kItem,
+    kSlice,
+    kCall,
+    kFilter,
+    kTest,
+    kUnary,
+    kBinary,
+    kAnd,
+    kOr,
+    kNot,
+    kCond,
+    kList,
+    kTuple,
+    kDict
+  };
   Kind kind;
   int line = 0;
   Value value;             // literal
@@ -638,14 +670,14 @@ struct Node {
   enum Kind { kText, kOutput, kIf, kFor, kSet, kSetBlock, kMacro, kBreak, kContinue, kBody };
   Kind kind;
   int line = 0;
-  std::string text;                              // text; set/macro name
-  ExprPtr expr;                                  // output/set value; for iterable; if-filter is cond
+  std::string text;                                // text; set/macro name
+  ExprPtr expr;                                    // output/set value; for iterable; if-filter is cond
   std::vector<std::pair<ExprPtr, Body>> branches;  // if/elif
   Body body, else_body;
-  std::vector<std::string> targets;              // for/set names; macro params
-  std::vector<ExprPtr> defaults;                 // macro parameter defaults (null = none)
-  std::string attr;                              // set ns.attr
-  ExprPtr cond;                                  // for ... if cond
+  std::vector<std::string> targets;  // for/set names; macro params
+  std::vector<ExprPtr> defaults;     // macro parameter defaults (null = none)
+  std::string attr;                  // set ns.attr
+  ExprPtr cond;                      // for ... if cond
 };
 
 }  // namespace
@@ -673,9 +705,7 @@ class Parser {
  private:
   const Token& peek(size_t k = 0) const { return t_[std::min(p_ + k, t_.size() - 1)]; }
   const Token& next() { return t_[std::min(p_++, t_.size() - 1)]; }
-  [[noreturn]] void error(const std::string& what) const {
-    fail(fmt::format("{}:{}: {}", name_, peek().line, what));
-  }
+  [[noreturn]] void error(const std::string& what) const { fail(fmt::format("{}:{}: {}", name_, peek().line, what)); }
   bool is_op(const char* op, size_t k = 0) const { return peek(k).kind == Token::kOp && peek(k).text == op; }
   bool is_name(const char* n, size_t k = 0) const { return peek(k).kind == Token::kName && peek(k).text == n; }
   void expect_op(const char* op) {
@@ -992,8 +1022,10 @@ class Parser {
       if (is_op(".")) {
         ++p_;
         ExprPtr x = make(Expr::kAttr, e->line);
-        if (peek().kind == Token::kInt) x->name = next().text;  // tuple.0
-        else x->name = expect_name();
+        if (peek().kind == Token::kInt)
+          x->name = next().text;  // tuple.0
+        else
+          x->name = expect_name();
         x->a = {e};
         e = x;
       } else if (is_op("[")) {
@@ -1045,8 +1077,10 @@ class Parser {
         // `none`, `true` and `false` are test names here, not literals.
         t->name = peek().kind == Token::kName ? next().text : "";
         if (t->name.empty()) {
-          if (is_op("==") || is_op("!=") || is_op("<") || is_op(">") || is_op("<=") || is_op(">=")) t->name = next().text;
-          else error("expected a test name after 'is'");
+          if (is_op("==") || is_op("!=") || is_op("<") || is_op(">") || is_op("<=") || is_op(">="))
+            t->name = next().text;
+          else
+            error("expected a test name after 'is'");
         }
         t->a.push_back(e);
         if (is_op("(")) {
@@ -1077,9 +1111,12 @@ class Parser {
       case Token::kFloat: e->value = Value::real(std::stod(next().text)); return e;
       case Token::kName: {
         const std::string n = next().text;
-        if (n == "true" || n == "True") e->value = Value::boolean(true);
-        else if (n == "false" || n == "False") e->value = Value::boolean(false);
-        else if (n == "none" || n == "None") e->value = Value::none();
+        if (n == "true" || n == "True")
+          e->value = Value::boolean(true);
+        else if (n == "false" || n == "False")
+          e->value = Value::boolean(false);
+        else if (n == "none" || n == "None")
+          e->value = Value::none();
         else {
           e->kind = Expr::kName;
           e->name = n;
@@ -1134,9 +1171,8 @@ class Parser {
         break;
       default: break;
     }
-    error(fmt::format("unexpected '{}' in an expression", t.kind == Token::kBlockEnd || t.kind == Token::kVarEnd
-                                                               ? std::string("end of tag")
-                                                               : t.text));
+    error(fmt::format("unexpected '{}' in an expression",
+                      t.kind == Token::kBlockEnd || t.kind == Token::kVarEnd ? std::string("end of tag") : t.text));
   }
 
   // Nesting deeper than any real template would exhaust the stack on hostile input.
@@ -1192,9 +1228,8 @@ class Renderer {
   }
 
   void install_globals() {
-    globals_.vars["raise_exception"] = Value::function([](Args& a) -> Value {
-      throw Error("chat template raised an exception: " + to_str(a.get(0, "message")));
-    });
+    globals_.vars["raise_exception"] = Value::function(
+        [](Args& a) -> Value { throw Error("chat template raised an exception: " + to_str(a.get(0, "message"))); });
     const std::time_t now = now_;
     globals_.vars["strftime_now"] = Value::function([now](Args& a) {
       std::tm tm{};
@@ -1224,8 +1259,10 @@ class Renderer {
         if (v.kind != Value::kInt) fail("range() takes integers");
         return v.i;
       };
-      if (a.pos.size() == 1) stop = num(a.pos[0]);
-      else if (a.pos.size() >= 2) start = num(a.pos[0]), stop = num(a.pos[1]);
+      if (a.pos.size() == 1)
+        stop = num(a.pos[0]);
+      else if (a.pos.size() >= 2)
+        start = num(a.pos[0]), stop = num(a.pos[1]);
       if (a.pos.size() == 3) step = num(a.pos[2]);
       if (step == 0) fail("range() step must not be zero");
       List l;
@@ -1266,7 +1303,8 @@ class Renderer {
         if (!n.attr.empty()) {
           Value* ns = scope.find(n.targets[0]);
           if (!ns || ns->kind != Value::kDict || !ns->is_namespace)
-            error(n.line, fmt::format("'{}' is not a namespace: cannot set '{}.{}'", n.targets[0], n.targets[0], n.attr));
+            error(n.line,
+                  fmt::format("'{}' is not a namespace: cannot set '{}.{}'", n.targets[0], n.targets[0], n.attr));
           ns->dict->set(n.attr, v);
         } else {
           assign(n.targets, v, scope, n.line);
@@ -1447,7 +1485,8 @@ class Renderer {
 
   // `x[key]`: the item first, then the attribute.
   Value get_item(const Value& obj, const Value& key, int line) {
-    if (obj.is_undefined()) error(line, fmt::format("'{}' is undefined (subscripted)", obj.s.empty() ? "value" : obj.s));
+    if (obj.is_undefined())
+      error(line, fmt::format("'{}' is undefined (subscripted)", obj.s.empty() ? "value" : obj.s));
     if (obj.kind == Value::kDict) {
       if (const Value* v = obj.dict->find(to_str(key))) return *v;
       if (key.kind == Value::kString && is_dict_method(key.s) && !obj.is_namespace) return bound_method(obj, key.s);
@@ -1485,9 +1524,12 @@ class Renderer {
     if (step == 0) error(e.line, "slice step cannot be zero");
     std::vector<Value> items;
     std::vector<std::string> cps;
-    if (obj.kind == Value::kList) items = *obj.list;
-    else if (obj.kind == Value::kString) cps = code_points(obj.s);
-    else error(e.line, fmt::format("cannot slice a {}", kind_name(obj)));
+    if (obj.kind == Value::kList)
+      items = *obj.list;
+    else if (obj.kind == Value::kString)
+      cps = code_points(obj.s);
+    else
+      error(e.line, fmt::format("cannot slice a {}", kind_name(obj)));
     const int64_t n = obj.kind == Value::kList ? int64_t(items.size()) : int64_t(cps.size());
     // Python's slice.indices().
     auto clamp = [&](std::optional<int64_t> v, int64_t def) {
@@ -1500,8 +1542,10 @@ class Renderer {
     List out;
     std::string s;
     for (int64_t i = lo; step > 0 ? i < hi : i > hi; i += step) {
-      if (obj.kind == Value::kList) out.push_back(items[size_t(i)]);
-      else s += cps[size_t(i)];
+      if (obj.kind == Value::kList)
+        out.push_back(items[size_t(i)]);
+      else
+        s += cps[size_t(i)];
     }
     return obj.kind == Value::kList ? Value::of_list(std::move(out)) : Value::string(s);
   }
@@ -1644,7 +1688,8 @@ class Renderer {
       if (name == "replace")
         return Value::function([s](Args& a) {
           Value c = a.get(2, "count", Value::integer(-1));
-          return Value::string(replace_all(s, to_str(a.get(0, "old")), to_str(a.get(1, "new")), c.kind == Value::kInt ? c.i : -1));
+          return Value::string(
+              replace_all(s, to_str(a.get(0, "old")), to_str(a.get(1, "new")), c.kind == Value::kInt ? c.i : -1));
         });
       if (name == "find")
         return Value::function([s](Args& a) {
@@ -1677,8 +1722,10 @@ class Renderer {
         return Value::function([self, name](Args&) {
           List out;
           for (auto& [k, v] : self.dict->items) {
-            if (name == "items") out.push_back(Value::tuple({Value::string(k), v}));
-            else out.push_back(name == "keys" ? Value::string(k) : v);
+            if (name == "items")
+              out.push_back(Value::tuple({Value::string(k), v}));
+            else
+              out.push_back(name == "keys" ? Value::string(k) : v);
           }
           return Value::of_list(std::move(out));
         });
@@ -1698,18 +1745,25 @@ class Renderer {
     if (op == "!=") return Value::boolean(!equal(l, r));
     if (op == "in" || op == "not in") {
       bool found = false;
-      if (r.kind == Value::kString) found = r.s.find(to_str(l)) != std::string::npos;
-      else if (r.kind == Value::kList) found = std::any_of(r.list->begin(), r.list->end(), [&](const Value& x) { return equal(x, l); });
-      else if (r.kind == Value::kDict) found = r.dict->find(to_str(l)) != nullptr;
-      else if (!r.is_undefined()) error(e.line, fmt::format("'in' needs a string, list or dict, not {}", kind_name(r)));
+      if (r.kind == Value::kString)
+        found = r.s.find(to_str(l)) != std::string::npos;
+      else if (r.kind == Value::kList)
+        found = std::any_of(r.list->begin(), r.list->end(), [&](const Value& x) { return equal(x, l); });
+      else if (r.kind == Value::kDict)
+        found = r.dict->find(to_str(l)) != nullptr;
+      else if (!r.is_undefined())
+        error(e.line, fmt::format("'in' needs a string, list or dict, not {}", kind_name(r)));
       return Value::boolean(op == "in" ? found : !found);
     }
     if (op == "~") return Value::string(to_str(l) + to_str(r));
     if (op == "<" || op == ">" || op == "<=" || op == ">=") {
       int c;
-      if (l.is_number() && r.is_number()) c = l.as_double() < r.as_double() ? -1 : l.as_double() > r.as_double();
-      else if (l.kind == Value::kString && r.kind == Value::kString) c = l.s.compare(r.s);
-      else error(e.line, fmt::format("'{}' not supported between {} and {}", op, kind_name(l), kind_name(r)));
+      if (l.is_number() && r.is_number())
+        c = l.as_double() < r.as_double() ? -1 : l.as_double() > r.as_double();
+      else if (l.kind == Value::kString && r.kind == Value::kString)
+        c = l.s.compare(r.s);
+      else
+        error(e.line, fmt::format("'{}' not supported between {} and {}", op, kind_name(l), kind_name(r)));
       return Value::boolean(op == "<" ? c < 0 : op == ">" ? c > 0 : op == "<=" ? c <= 0 : c >= 0);
     }
     if (op == "+") {
@@ -1766,7 +1820,8 @@ class Renderer {
     if (name == "number") return v.is_number();
     if (name == "string") return v.kind == Value::kString;
     if (name == "mapping") return v.kind == Value::kDict;
-    if (name == "iterable") return v.kind == Value::kList || v.kind == Value::kDict || v.kind == Value::kString || v.is_undefined();
+    if (name == "iterable")
+      return v.kind == Value::kList || v.kind == Value::kDict || v.kind == Value::kString || v.is_undefined();
     if (name == "sequence") return v.kind == Value::kList || v.kind == Value::kDict || v.kind == Value::kString;
     if (name == "callable") return v.kind == Value::kFunction;
     if (name == "odd" || name == "even") {
@@ -1787,7 +1842,8 @@ class Renderer {
     if (name == "eq" || name == "equalto" || name == "==" || name == "sameas") return equal(v, other);
     if (name == "ne" || name == "!=") return !equal(v, other);
     if (name == "in") {
-      if (other.kind == Value::kList) return std::any_of(other.list->begin(), other.list->end(), [&](const Value& x) { return equal(x, v); });
+      if (other.kind == Value::kList)
+        return std::any_of(other.list->begin(), other.list->end(), [&](const Value& x) { return equal(x, v); });
       if (other.kind == Value::kString) return other.s.find(to_str(v)) != std::string::npos;
       if (other.kind == Value::kDict) return other.dict->find(to_str(v)) != nullptr;
       return false;
@@ -1820,7 +1876,8 @@ class Renderer {
       if (cur.is_undefined()) return cur;
       cur = cur.kind == Value::kList && !part.empty() && std::isdigit(static_cast<unsigned char>(part[0]))
                 ? get_item(cur, Value::integer(std::stoll(part)), line)
-                : cur.kind == Value::kDict ? get_item(cur, Value::string(part), line) : Value::undefined(part);
+            : cur.kind == Value::kDict ? get_item(cur, Value::string(part), line)
+                                       : Value::undefined(part);
       if (q == std::string::npos) return cur;
       p = q + 1;
     }
@@ -1867,7 +1924,8 @@ class Renderer {
     }
     if (f == "replace") {
       Value c = a.get(2, "count", Value::integer(-1));
-      return Value::string(replace_all(to_str(v), to_str(a.get(0, "old")), to_str(a.get(1, "new")), c.kind == Value::kInt ? c.i : -1));
+      return Value::string(
+          replace_all(to_str(v), to_str(a.get(0, "old")), to_str(a.get(1, "new")), c.kind == Value::kInt ? c.i : -1));
     }
     if (f == "default" || f == "d") {
       const bool boolean = truthy(a.get(1, "boolean", Value::boolean(false)));
@@ -1930,7 +1988,8 @@ class Renderer {
       List out;
       for (auto& [k, x] : v.dict->items) out.push_back(Value::tuple({Value::string(k), x}));
       if (f == "dictsort")
-        std::stable_sort(out.begin(), out.end(), [](const Value& p, const Value& q) { return (*p.list)[0].s < (*q.list)[0].s; });
+        std::stable_sort(out.begin(), out.end(),
+                         [](const Value& p, const Value& q) { return (*p.list)[0].s < (*q.list)[0].s; });
       return Value::of_list(std::move(out));
     }
     if (f == "selectattr" || f == "rejectattr" || f == "select" || f == "reject") {
@@ -2055,8 +2114,10 @@ nlohmann::ordered_json chat_template_context(const std::string& model_dir, nlohm
                                              const nlohmann::ordered_json& kwargs) {
   NIBBLE_CHECK(messages.is_array(), "messages must be a list");
   NIBBLE_CHECK(kwargs.is_object(), "chat template kwargs must be an object");
-  nlohmann::ordered_json ctx = {{"messages", std::move(messages)}, {"tools", std::move(tools)},
-                                {"documents", nullptr}, {"add_generation_prompt", add_generation_prompt}};
+  nlohmann::ordered_json ctx = {{"messages", std::move(messages)},
+                                {"tools", std::move(tools)},
+                                {"documents", nullptr},
+                                {"add_generation_prompt", add_generation_prompt}};
   const std::filesystem::path cfg = std::filesystem::path(model_dir) / "tokenizer_config.json";
   if (std::filesystem::exists(cfg)) {
     std::ifstream in(cfg);
@@ -2065,8 +2126,10 @@ nlohmann::ordered_json chat_template_context(const std::string& model_dir, nlohm
     for (const char* key : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
       if (!j.contains(key)) continue;
       const auto& v = j[key];  // a string, or an AddedToken {"content": ...}
-      if (v.is_string()) ctx[key] = v.get<std::string>();
-      else if (v.is_object() && v.contains("content") && v["content"].is_string()) ctx[key] = v["content"].get<std::string>();
+      if (v.is_string())
+        ctx[key] = v.get<std::string>();
+      else if (v.is_object() && v.contains("content") && v["content"].is_string())
+        ctx[key] = v["content"].get<std::string>();
     }
   }
   for (auto& [k, v] : kwargs.items()) ctx[k] = v;
@@ -2099,9 +2162,10 @@ std::string load_chat_template_source(const std::string& model_dir) {
     ss << in.rdbuf();
     return ss.str();
   }
-  throw Error(fmt::format("{}: the model has no chat template (no chat_template in tokenizer_config.json, no "
-                          "chat_template.jinja)",
-                          model_dir));
+  throw Error(
+      fmt::format("{}: the model has no chat template (no chat_template in tokenizer_config.json, no "
+                  "chat_template.jinja)",
+                  model_dir));
 }
 
 }  // namespace nibble

@@ -15,9 +15,8 @@
 
 #include <ctime>
 #include <memory>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace nibble {
 

@@ -22,8 +22,8 @@
 #include "format/hf_config.h"
 #include "format/safetensors.h"
 #include "model/model.h"
-#include "runtime/generate.h"
 #include "reference_outputs.h"
+#include "runtime/generate.h"
 
 namespace nibble {
 namespace {
@@ -33,15 +33,15 @@ constexpr double kTolerance = 1e-4, kF16Tolerance = 2e-3;
 struct Expected {
   std::vector<int32_t> prompt, greedy;
   std::vector<float> logits;  // [prompt, vocab]
-  std::string text, margin;  // the prompt's text; transformers' smallest top-2 greedy margin
+  std::string text, margin;   // the prompt's text; transformers' smallest top-2 greedy margin
 };
 
 Expected load_expected(const std::string& path) {
   auto f = SafetensorsFile::open(path);
   for (const char* key : {"prompt", "min_relative_margin"})
     NIBBLE_CHECK(f->metadata().count(key), "{}: no __metadata__ key '{}'", path, key);
-  return {test::read_tensor<int32_t>(*f, "prompt_ids"), test::read_tensor<int32_t>(*f, "greedy_ids"), test::read_tensor<float>(*f, "logits"),
-          f->metadata().at("prompt"), f->metadata().at("min_relative_margin")};
+  return {test::read_tensor<int32_t>(*f, "prompt_ids"), test::read_tensor<int32_t>(*f, "greedy_ids"),
+          test::read_tensor<float>(*f, "logits"), f->metadata().at("prompt"), f->metadata().at("min_relative_margin")};
 }
 
 // (variant, device). A missing model or fixture fails: both are committed with this test.

@@ -29,7 +29,8 @@ struct Expected {
 
 Expected load_expected(const std::string& dir) {
   auto f = SafetensorsFile::open(dir + "/expected.safetensors");
-  return {test::read_tensor<int32_t>(*f, "prompt_ids"), test::read_tensor<int32_t>(*f, "greedy_ids"), test::read_tensor<float>(*f, "logits")};
+  return {test::read_tensor<int32_t>(*f, "prompt_ids"), test::read_tensor<int32_t>(*f, "greedy_ids"),
+          test::read_tensor<float>(*f, "logits")};
 }
 
 // (model, device): every fixture on every backend; devices this machine lacks are skipped.

@@ -4,15 +4,15 @@
 // for snippets that exercise one language feature each (tools/make_template_fixtures.py). Every
 // string must match byte for byte; a template's raise_exception must surface as nibble::Error
 // with the template's message. Then errors in templates themselves: clear messages, no crash.
+#include "tokenizer/chat_template.h"
+
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
-#include <nlohmann/json.hpp>
-
 #include "core/status.h"
-#include "tokenizer/chat_template.h"
 
 namespace nibble {
 namespace {
@@ -50,7 +50,8 @@ TEST(ChatTemplate, RealTemplatesMatchTransformers) {
         t.render(c["context"], now);
         ADD_FAILURE() << name << ": expected the template to raise \"" << c["error"].get<std::string>() << "\"";
       } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find(c["error"].get<std::string>()), std::string::npos) << name << ": " << e.what();
+        EXPECT_NE(std::string(e.what()).find(c["error"].get<std::string>()), std::string::npos)
+            << name << ": " << e.what();
         ++raised;
       }
       continue;
@@ -85,7 +86,8 @@ TEST(ChatTemplate, LanguageFeaturesMatchJinja2) {
 }
 
 TEST(ChatTemplate, BundledModelTemplateLoads) {
-  const std::string src = load_chat_template_source(std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder");
+  const std::string src =
+      load_chat_template_source(std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder");
   nlohmann::ordered_json ctx = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"add_generation_prompt", true}};
   EXPECT_EQ(ChatTemplate::parse(src, "tiny").render(ctx),
             "<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"

@@ -1,8 +1,9 @@
 // OpenAI request parsing (every field's type and range, with the parameter named in the error, as
 // the server will return it) and the streaming <think> splitter behind reasoning_content.
+#include "server/openai_request.h"
+
 #include <gtest/gtest.h>
 
-#include "server/openai_request.h"
 #include "server/reasoning.h"
 
 namespace nibble {
@@ -108,7 +109,8 @@ TEST(OpenAiRequest, BadRequestsNameTheParameter) {
        "needs 'logprobs': true"},
       {R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 50})", true,
        "top_logprobs", "between 0 and 20"},
-      {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", true, "tools", "each tool"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", true, "tools",
+       "each tool"},
       {R"({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]})", true, "chat_template_kwargs",
        "object"},
       {R"({"messages": [{"role": "user", "content": "x"}], "seed": "abc"})", true, "seed", "integer"},
@@ -123,8 +125,10 @@ TEST(OpenAiRequest, BadRequestsNameTheParameter) {
   for (const Case& c : cases) {
     try {
       const json body = json::parse(c.body);
-      if (c.chat) parse_chat_request(body);
-      else parse_completion_request(body);
+      if (c.chat)
+        parse_chat_request(body);
+      else
+        parse_completion_request(body);
       ADD_FAILURE() << c.body << ": accepted";
     } catch (const RequestError& e) {
       EXPECT_EQ(e.status, 400) << c.body;
@@ -140,10 +144,8 @@ TEST(OpenAiRequest, BadRequestsNameTheParameter) {
 
 TEST(OpenAiRequest, BodiesThatAreNotJsonObjects) {
   const std::pair<std::string, const char*> cases[] = {
-      {"{\"messages\": [", "not valid JSON"},
-      {"", "not valid JSON"},
-      {"[1, 2]", "must be a JSON object"},
-      {"\"text\"", "must be a JSON object"},
+      {"{\"messages\": [", "not valid JSON"},  {"", "not valid JSON"},
+      {"[1, 2]", "must be a JSON object"},     {"\"text\"", "must be a JSON object"},
       {"{\"prompt\": \"\xff\xfe\"}", "UTF-8"},
   };
   for (auto& [body, says] : cases) {

@@ -10,9 +10,8 @@
 #include <unistd.h>
 
 #include <future>
-#include <thread>
-
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "server/openai_server.h"
 
@@ -86,8 +85,10 @@ std::vector<json> events(const Reply& r) {
     const size_t e = r.body.find("\n\n", p);
     const std::string data = r.body.substr(p + 6, e - p - 6);
     EXPECT_FALSE(done) << "event after [DONE]";
-    if (data == "[DONE]") done = true;
-    else out.push_back(json::parse(data));
+    if (data == "[DONE]")
+      done = true;
+    else
+      out.push_back(json::parse(data));
     p = e;
   }
   EXPECT_TRUE(done) << r.body;
@@ -113,7 +114,9 @@ class ServerTest : public ::testing::Test {
     delete server_;
   }
   static json chat(const std::string& content, json extra = json::object()) {
-    json b = {{"model", "tiny"}, {"messages", {{{"role", "user"}, {"content", content}}}}, {"max_tokens", 16},
+    json b = {{"model", "tiny"},
+              {"messages", {{{"role", "user"}, {"content", content}}}},
+              {"max_tokens", 16},
               {"temperature", 0}};
     b.update(extra);
     return b;
@@ -142,8 +145,9 @@ TEST_F(ServerTest, ChatGreedyEqualsCompletionOfTheRenderedPrompt) {
   EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
   EXPECT_EQ(j["usage"]["completion_tokens"], 16);
   EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
-  const std::string chatml = "<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>\n<|im_start|>user\n"
-                             "Reverse a string.<|im_end|>\n<|im_start|>assistant\n";
+  const std::string chatml =
+      "<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>\n<|im_start|>user\n"
+      "Reverse a string.<|im_end|>\n<|im_start|>assistant\n";
   Reply p = post(port_, "/v1/completions", {{"prompt", chatml}, {"max_tokens", 16}, {"temperature", 0}});
   ASSERT_EQ(p.status, 200) << p.body;
   EXPECT_EQ(p.j()["choices"][0]["text"], j["choices"][0]["message"]["content"]);
@@ -176,14 +180,17 @@ TEST_F(ServerTest, SeedsStopStringsAndN) {
   const json sampled = chat("Write a class.", {{"temperature", 0.9}, {"seed", 11}, {"max_tokens", 24}});
   EXPECT_EQ(post(port_, "/v1/chat/completions", sampled).j()["choices"][0]["message"]["content"],
             post(port_, "/v1/chat/completions", sampled).j()["choices"][0]["message"]["content"]);
-  const json two = post(port_, "/v1/chat/completions", chat("Write a class.", {{"temperature", 0.9}, {"seed", 11}, {"n", 2}})).j();
+  const json two =
+      post(port_, "/v1/chat/completions", chat("Write a class.", {{"temperature", 0.9}, {"seed", 11}, {"n", 2}})).j();
   ASSERT_EQ(two["choices"].size(), 2u);
   EXPECT_EQ(two["choices"][1]["index"], 1);
-  Reply stop = post(port_, "/v1/completions", {{"prompt", "def fib(n):"}, {"max_tokens", 40}, {"temperature", 0}, {"stop", "\n"}});
+  Reply stop = post(port_, "/v1/completions",
+                    {{"prompt", "def fib(n):"}, {"max_tokens", 40}, {"temperature", 0}, {"stop", "\n"}});
   ASSERT_EQ(stop.status, 200) << stop.body;
   EXPECT_EQ(stop.j()["choices"][0]["text"].get<std::string>().find('\n'), std::string::npos);
   EXPECT_EQ(stop.j()["choices"][0]["finish_reason"], "stop");
-  Reply lp = post(port_, "/v1/chat/completions", chat("hi", {{"logprobs", true}, {"top_logprobs", 3}, {"max_tokens", 4}}));
+  Reply lp =
+      post(port_, "/v1/chat/completions", chat("hi", {{"logprobs", true}, {"top_logprobs", 3}, {"max_tokens", 4}}));
   ASSERT_EQ(lp.status, 200) << lp.body;
   const json lpj = lp.j();
   const json& content = lpj["choices"][0]["logprobs"]["content"];
@@ -196,7 +203,8 @@ TEST_F(ServerTest, ClientsAtOnceGetWhatTheyGetOneAtATime) {
   std::vector<std::string> prompts;
   for (int i = 0; i < 8; ++i) prompts.push_back("Task number " + std::to_string(i));
   std::vector<std::string> alone;
-  for (auto& p : prompts) alone.push_back(post(port_, "/v1/chat/completions", chat(p)).j()["choices"][0]["message"]["content"]);
+  for (auto& p : prompts)
+    alone.push_back(post(port_, "/v1/chat/completions", chat(p)).j()["choices"][0]["message"]["content"]);
   std::vector<std::future<std::string>> together;
   for (auto& p : prompts)
     together.push_back(std::async(std::launch::async, [&, p] {
@@ -244,9 +252,11 @@ TEST_F(ServerTest, DisconnectMidStreamCancelsTheGeneration) {
   };
   const int64_t before = cancelled();
   const int fd = connect_to(port_);
-  const std::string body = chat("Write a long module.", {{"stream", true}, {"max_tokens", 1900}, {"ignore_eos", true}}).dump();
-  const std::string req = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) +
-                          "\r\n\r\n" + body;
+  const std::string body =
+      chat("Write a long module.", {{"stream", true}, {"max_tokens", 1900}, {"ignore_eos", true}}).dump();
+  const std::string req =
+      "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" +
+      body;
   ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
   char buf[4096];
   ASSERT_GT(::recv(fd, buf, sizeof buf, 0), 0);  // the stream has started
