@@ -569,7 +569,9 @@ class Lexer {
             case '"': s += '"'; break;
             case 'u': {
               if (p + 4 >= src_.size()) error("bad \\u escape");
-              const uint32_t cp = uint32_t(std::stoul(src_.substr(p + 1, 4), nullptr, 16));
+              uint32_t cp = 0;
+              const char* hex = src_.data() + p + 1;
+              if (std::from_chars(hex, hex + 4, cp, 16).ptr != hex + 4) error("bad \\u escape");
               p += 4;
               if (cp < 0x80)
                 s += char(cp);
@@ -1107,8 +1109,14 @@ class Parser {
         e->value = Value::string(s);
         return e;
       }
-      case Token::kInt: e->value = Value::integer(std::stoll(next().text)); return e;
-      case Token::kFloat: e->value = Value::real(std::stod(next().text)); return e;
+      case Token::kInt: {  // beyond int64 (Python has big ints): a float, as close as it gets
+        const std::string& t = next().text;
+        int64_t v = 0;
+        if (std::from_chars(t.data(), t.data() + t.size(), v).ec == std::errc()) e->value = Value::integer(v);
+        else e->value = Value::real(std::strtod(t.c_str(), nullptr));
+        return e;
+      }
+      case Token::kFloat: e->value = Value::real(std::strtod(next().text.c_str(), nullptr)); return e;
       case Token::kName: {
         const std::string n = next().text;
         if (n == "true" || n == "True")
@@ -1875,7 +1883,7 @@ class Renderer {
       const std::string part = path.substr(p, q == std::string::npos ? std::string::npos : q - p);
       if (cur.is_undefined()) return cur;
       cur = cur.kind == Value::kList && !part.empty() && std::isdigit(static_cast<unsigned char>(part[0]))
-                ? get_item(cur, Value::integer(std::stoll(part)), line)
+                ? get_item(cur, Value::integer(std::strtoll(part.c_str(), nullptr, 10)), line)
             : cur.kind == Value::kDict ? get_item(cur, Value::string(part), line)
                                        : Value::undefined(part);
       if (q == std::string::npos) return cur;

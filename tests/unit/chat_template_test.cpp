@@ -116,6 +116,7 @@ TEST(ChatTemplate, ErrorsNameTheProblem) {
       {"{% set x.y = 1 %}", "is not a namespace"},
       {"{{ nothing() }}", "is not callable"},
       {"line one\n{{ 1 +  }}", "snippet:2"},
+      {"{{ '\\uZZZZ' }}", "bad \\u escape"},
       // Hostile templates fail instead of exhausting the stack, the clock or memory.
       {"{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed more than 100 deep"},
       {"{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "runs too long"},
