@@ -13,7 +13,7 @@ namespace {
 OpenAiServer* g_server = nullptr;
 
 extern "C" void on_signal(int) {
-  if (g_server) g_server->stop();  // closes the listening socket; run() returns
+  if (g_server) g_server->request_stop();  // only sets a flag: safe in a signal handler
 }
 
 void serve(ServeOptions o, const std::string& positional) {
@@ -32,6 +32,7 @@ void serve(ServeOptions o, const std::string& positional) {
              o.api_key.empty() ? "" : ", API key required");
   server.run();
   g_server = nullptr;
+  server.stop();
   fmt::print(stderr, "nibble serve: stopped\n");
 }
 

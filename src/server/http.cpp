@@ -140,10 +140,18 @@ void HttpServer::run() {
     timeval tv{options_.read_timeout_s, 0};
     ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     ++connections_;
+    {
+      std::lock_guard lock(fds_mu_);
+      fds_.insert(fd);
+    }
     std::thread([this, fd] {
       try {
         serve_connection(fd);
       } catch (...) {
+      }
+      {
+        std::lock_guard lock(fds_mu_);
+        fds_.erase(fd);
       }
       ::close(fd);
       --connections_;
@@ -157,6 +165,11 @@ void HttpServer::stop() {
     ::close(listen_fd_);
     listen_fd_ = -1;
   }
+  {
+    std::lock_guard lock(fds_mu_);
+    for (int fd : fds_) ::shutdown(fd, SHUT_RDWR);  // wakes reads; writes fail: requests cancel
+  }
+  for (int i = 0; i < 1000 && connections_ > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
 
 namespace {

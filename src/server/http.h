@@ -8,6 +8,8 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,8 +64,12 @@ class HttpServer {
   // Binds and listens; throws nibble::Error naming the address when it cannot. Returns the port
   // (useful with port 0).
   int bind();
-  // Accepts connections until stop(); each is served on its own thread.
+  // Accepts connections until a stop is requested; each is served on its own thread.
   void run();
+  // Async-signal-safe: run() returns within ~0.2 s.
+  void request_stop() { stopping_ = true; }
+  // Stops accepting, disconnects every client and waits for their threads to finish (a client's
+  // running request is cancelled as for any client that goes away).
   void stop();
 
  private:
@@ -73,6 +79,8 @@ class HttpServer {
   int listen_fd_ = -1;
   std::atomic<bool> stopping_{false};
   std::atomic<int> connections_{0};
+  std::mutex fds_mu_;
+  std::set<int> fds_;  // open client connections
 };
 
 const char* http_reason(int status);

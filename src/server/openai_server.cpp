@@ -177,8 +177,9 @@ struct OpenAiServer::Impl {
                                      "{} or completion.",
                                      max_model_len, n_prompt + *r.max_tokens, n_prompt, what, *r.max_tokens, what));
     for (int32_t id : prompt)
-      if (id >= tokenizer->vocab_size() && id >= model->config().vocab_size)
-        throw RequestError(400, "prompt", fmt::format("token id {} is outside the vocabulary", id));
+      if (id >= model->config().vocab_size)
+        throw RequestError(400, "prompt",
+                           fmt::format("token id {} is outside the vocabulary (0..{})", id, model->config().vocab_size - 1));
     GenerateRequest g;
     g.prompt = std::move(prompt);
     g.max_context = max_model_len;
@@ -303,7 +304,10 @@ struct OpenAiServer::Impl {
       while (true) {
         auto e = next_event(choices, c, res);
         if (!e) return 499;  // client closed the connection; nothing to send
-        if (e->kind == EngineEvent::kError) throw RequestError(400, "", e->text);
+        if (e->kind == EngineEvent::kError) {
+          for (auto& x : choices) x.job->cancel();
+          throw RequestError(400, "", e->text);
+        }
         if (e->kind == EngineEvent::kDone) {
           c.finish_reason = e->result.finish_reason;
           c.completion_tokens = int64_t(e->result.ids.size());
@@ -499,6 +503,7 @@ OpenAiServer::~OpenAiServer() {
 
 int OpenAiServer::bind() { return http_->bind(); }
 void OpenAiServer::run() { http_->run(); }
+void OpenAiServer::request_stop() { http_->request_stop(); }
 void OpenAiServer::stop() { http_->stop(); }
 
 void OpenAiServer::handle(const HttpRequest& req, HttpResponse& res) {

@@ -29,6 +29,7 @@ class OpenAiServer {
   ~OpenAiServer();
   int bind();  // returns the port
   void run();
+  void request_stop();  // async-signal-safe; run() returns soon after
   void stop();
   // One request, as the HTTP layer calls it (public for tests).
   void handle(const HttpRequest& req, HttpResponse& res);

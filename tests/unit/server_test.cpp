@@ -238,6 +238,9 @@ TEST_F(ServerTest, BadRequestsGetOpenAiErrors) {
     EXPECT_NE(e["message"].get<std::string>().find(b.says), std::string::npos) << r.body;
     EXPECT_EQ(e["code"], b.status);
   }
+  Reply oov = post(port_, "/v1/completions", {{"prompt", {5, 999999}}, {"max_tokens", 1}});
+  EXPECT_EQ(oov.status, 400);
+  EXPECT_NE(oov.body.find("outside the vocabulary"), std::string::npos) << oov.body;
   Reply big = request(port_, "POST", "/v1/completions", std::string(40 << 20, ' '));
   EXPECT_EQ(big.status, 413);
   // The server still answers after all that.
@@ -282,8 +285,14 @@ TEST(ServerAuth, ApiKeyIsRequiredOnV1Routes) {
   EXPECT_EQ(request(port, "GET", "/v1/models", "", "Authorization: Bearer wrong\r\n").status, 401);
   EXPECT_EQ(request(port, "GET", "/v1/models", "", "Authorization: Bearer sekrit\r\n").status, 200);
   EXPECT_EQ(request(port, "GET", "/health").status, 200);  // health checks need no key
+  // Stopping disconnects idle keep-alive clients instead of waiting for them.
+  const int idle = connect_to(port);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto t0 = std::chrono::steady_clock::now();
   server.stop();
   t.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(3));
+  ::close(idle);
 }
 
 }  // namespace
