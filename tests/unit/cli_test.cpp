@@ -285,6 +285,17 @@ TEST_F(CliTest, BadPrompts) {
   expect_error(run_nibble("run -m " + tiny + " --chat hi --prompt x"), {"exactly one"});
 }
 
+// nibble serve refuses bad arguments with a message, before it would block serving.
+TEST_F(CliTest, ServeBadArguments) {
+  const std::string tiny = std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder";
+  expect_error(run_nibble("serve"), {"needs a model directory"});
+  expect_error(run_nibble("serve " + tiny + " --port 70000"), {"--port 70000"});
+  expect_error(run_nibble("serve " + tiny + " --host no.such.host.invalid --port 0"), {"--host no.such.host.invalid"});
+  expect_error(run_nibble("serve " + tiny + " --reasoning-parser magic --port 0"), {"--reasoning-parser magic"});
+  expect_error(run_nibble("serve " + fixture("tiny-qwen3") + " --model " + tiny), {"give the model once"});
+  expect_error(run_nibble("serve " + tiny + " --device tpu"), {"--device tpu"});
+}
+
 // --chat renders the bundled model's ChatML template (default system prompt, generation prompt):
 // the same ids as that text tokenized and given as --prompt-ids.
 TEST_F(CliTest, RunChatUsesTheModelsTemplate) {
