@@ -138,6 +138,9 @@ class Backend {
   virtual bool replay(uint64_t key) { return false; }
   virtual void begin_capture(uint64_t key) {}
   virtual bool end_capture(uint64_t key) { return false; }
+  // Frees the graph recorded under `key` (its KV cache is gone); the number still held.
+  virtual void drop_graph(uint64_t key) {}
+  virtual size_t graph_count() const { return 0; }
 };
 
 // Backend memory, freed on destruction.

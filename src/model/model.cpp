@@ -95,6 +95,7 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
       recorded = backend_.end_capture(key);
     }
     if (recorded) {
+      graph_keys_[kv.id()].push_back(key);
       backend_.replay(key);
     } else {
       if (!give_up) capture_failures_.push_back(key);
@@ -105,6 +106,13 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
     backend_.copy_to_host(token_id, decode_token_.data(), 4);
   else
     backend_.copy_to_host(logits->data(), decode_logits_.data(), size_t(vocab) * 4);
+}
+
+void Model::release_graphs(const KvCache& kv) {
+  auto it = graph_keys_.find(kv.id());
+  if (it == graph_keys_.end()) return;
+  for (uint64_t key : it->second) backend_.drop_graph(key);
+  graph_keys_.erase(it);
 }
 
 }  // namespace nibble

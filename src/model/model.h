@@ -8,6 +8,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "backend/backend.h"
@@ -48,6 +49,9 @@ class Model {
   // The same step with the token drawn on the device (Backend::sample with `in`).
   int32_t forward_sample(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, const SampleInputs& in);
   void set_use_graphs(bool on) { use_graphs_ = on; }
+  // Frees the steps recorded for `kv` (call before the cache goes away: a server makes a cache
+  // per request, and their graphs would otherwise pile up on the device).
+  void release_graphs(const KvCache& kv);
   // A cache for one sequence of up to max_tokens positions, of the model's KV dtype (F16 unless
   // set_kv_dtype chose F32), in blocks of 2^block_size_log2 positions.
   virtual KvCache make_kv_cache(int64_t max_tokens, int block_size_log2 = KvCache::kDefaultBlockSizeLog2) const {
@@ -98,6 +102,7 @@ class Model {
   // Fixed addresses for recorded steps.
   Buffer decode_ids_, decode_positions_, decode_logits_, decode_token_, decode_sample_;
   std::vector<uint64_t> capture_failures_;  // keys whose recording failed (tried at most twice)
+  std::unordered_map<uint64_t, std::vector<uint64_t>> graph_keys_;  // KvCache id -> keys recorded for it
 };
 
 struct LoadOptions {

@@ -38,6 +38,13 @@ GenerateResult generate(Model& model, const Tokenizer& tokenizer, const Generate
 
   const int64_t budget = std::min(req.max_new_tokens, req.max_context - n_prompt);
   KvCache kv = model.make_kv_cache(n_prompt + budget);
+  // The cache dies with this call; so do the decode steps recorded for it (also on an exception,
+  // e.g. a server cancelling the request from the token callback).
+  struct ReleaseGraphs {
+    Model& model;
+    const KvCache& kv;
+    ~ReleaseGraphs() { model.release_graphs(kv); }
+  } release{model, kv};
   Sampler sampler(req.sampling, req.prompt);
   StreamDecoder detok(tokenizer);
   GenerateResult result;

@@ -507,6 +507,15 @@ class CudaBackend final : public Backend {
     return true;
   }
 
+  void drop_graph(uint64_t key) override {
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) return;
+    cudaStreamSynchronize(cudaStreamPerThread);  // not while a launch may run; no throw: called from destructors
+    cudaGraphExecDestroy(it->second);
+    graphs_.erase(it);
+  }
+  size_t graph_count() const override { return graphs_.size(); }
+
   bool replay(uint64_t key) override {
     auto it = graphs_.find(key);
     if (it == graphs_.end()) return false;
