@@ -22,9 +22,8 @@ size_t held_back(std::string_view text, const std::vector<std::string>& stops) {
 
 }  // namespace
 
-GenerateResult generate(Model& model, const Tokenizer& tokenizer, const GenerateRequest& req,
-                        const TokenCallback& on_token) {
-  using Clock = std::chrono::steady_clock;
+namespace {
+const GenerateRequest& validated(const Model& model, const GenerateRequest& req) {
   const int64_t n_prompt = int64_t(req.prompt.size());
   NIBBLE_CHECK(n_prompt > 0, "the prompt is empty");
   NIBBLE_CHECK(n_prompt < req.max_context, "the prompt has {} tokens; the context holds {} (prompt "
@@ -35,91 +34,124 @@ GenerateResult generate(Model& model, const Tokenizer& tokenizer, const Generate
   for (int32_t id : req.prompt)
     NIBBLE_CHECK(id >= 0 && id < vocab, "prompt token id {} is outside the vocabulary (0..{})", id,
                  vocab - 1);
+  return req;
+}
+}  // namespace
 
-  const int64_t budget = std::min(req.max_new_tokens, req.max_context - n_prompt);
-  KvCache kv = model.make_kv_cache(n_prompt + budget);
-  // The cache dies with this call; so do the decode steps recorded for it (also on an exception,
-  // e.g. a server cancelling the request from the token callback).
-  struct ReleaseGraphs {
-    Model& model;
-    const KvCache& kv;
-    ~ReleaseGraphs() { model.release_graphs(kv); }
-  } release{model, kv};
-  Sampler sampler(req.sampling, req.prompt);
-  StreamDecoder detok(tokenizer);
-  GenerateResult result;
-  result.finish_reason = "length";
-  std::string pending;  // decoded text not yet passed to on_token
-
+Generation::Generation(Model& model, const Tokenizer& tokenizer, GenerateRequest request)
+    : model_(model),
+      req_(std::move(validated(model, request))),
+      n_prompt_(int64_t(req_.prompt.size())),
+      budget_(std::min(req_.max_new_tokens, req_.max_context - n_prompt_)),
+      kv_(model.make_kv_cache(n_prompt_ + budget_)),
+      sampler_(req_.sampling, req_.prompt),
+      detok_(tokenizer) {
+  result_.finish_reason = "length";
   // Without penalties or logprobs the token is picked on the device (greedy argmax, or the
   // temperature/top-k/top-p/min-p draw with the request's generator's next number): each step
   // returns the token id, not a row of logits.
-  const bool on_device = sampler.picks_on_device() && req.top_logprobs < 0;
-  std::vector<float> logits;
-  int32_t device_id = -1;
-  auto step_forward = [&](std::span<const int32_t> tokens, int64_t pos0) {
-    if (!on_device)
-      model.forward(tokens, pos0, kv, false, logits);
-    else if (sampler.temperature() == 0.f)
-      device_id = model.forward_greedy(tokens, pos0, kv);
-    else
-      device_id = model.forward_sample(tokens, pos0, kv, sampler.next_device_inputs());
-  };
-  auto t0 = Clock::now();
-  if (budget > 0) step_forward(req.prompt, 0);
-  result.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  auto t1 = Clock::now();
-  for (int64_t step = 0; step < budget; ++step) {
-    if (step > 0) {
-      const int32_t last = result.ids.back();
-      step_forward({&last, 1}, n_prompt + step - 1);
+  on_device_ = sampler_.picks_on_device() && req_.top_logprobs < 0;
+  if (budget_ == 0) done_ = true;
+}
+
+// The cache dies with the generation; so do the decode steps recorded for it.
+Generation::~Generation() { model_.release_graphs(kv_); }
+
+void Generation::forward(std::span<const int32_t> tokens, int64_t pos0) {
+  if (!on_device_)
+    model_.forward(tokens, pos0, kv_, false, logits_);
+  else if (sampler_.temperature() == 0.f)
+    device_id_ = model_.forward_greedy(tokens, pos0, kv_);
+  else
+    device_id_ = model_.forward_sample(tokens, pos0, kv_, sampler_.next_device_inputs());
+}
+
+void Generation::step(const std::function<void(const GeneratedToken&, std::string_view)>& on_token,
+                      int64_t max_prefill_tokens) {
+  using Clock = std::chrono::steady_clock;
+  if (done_) return;
+  const auto t0 = Clock::now();
+  if (prefilled_ < n_prompt_) {
+    const int64_t chunk = std::min(std::max<int64_t>(1, max_prefill_tokens), n_prompt_ - prefilled_);
+    const std::span<const int32_t> tokens(req_.prompt.data() + prefilled_, size_t(chunk));
+    if (prefilled_ + chunk < n_prompt_) {
+      model_.forward(tokens, prefilled_, kv_, false, logits_);  // not the last chunk: nothing to pick yet
+      prefilled_ += chunk;
+      result_.prefill_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+      return;
     }
-    GeneratedToken tok;
-    if (on_device) {
-      tok.id = device_id;
-      sampler.record(tok.id);
-    } else {
-      tok.id = sampler.sample(logits);
-    }
-    if (req.top_logprobs >= 0) {
-      tok.logprob = Sampler::logprob_of(logits, tok.id);
-      tok.top = Sampler::top_logprobs(logits, req.top_logprobs);
-    }
-    result.ids.push_back(tok.id);
-    if (std::find(req.stop_ids.begin(), req.stop_ids.end(), tok.id) != req.stop_ids.end()) {
-      result.finish_reason = "stop";
-      pending += detok.flush();
-      result.text += pending;
-      on_token(tok, pending);
-      pending.clear();
-      break;
-    }
-    pending += detok.push(tok.id);
-    // Stop strings are searched in the text not yet shown plus the tail that could start one.
-    std::string_view visible = pending;
-    size_t cut = std::string::npos;
-    for (auto& s : req.stop_strings) cut = std::min(cut, visible.find(s));
-    if (cut != std::string::npos) {
-      result.text += pending.substr(0, cut);
-      on_token(tok, std::string_view(pending).substr(0, cut));
-      pending.clear();
-      result.finish_reason = "stop";
-      break;
-    }
-    const size_t show = pending.size() - held_back(pending, req.stop_strings);
-    result.text += pending.substr(0, show);
-    on_token(tok, std::string_view(pending).substr(0, show));
-    pending.erase(0, show);
+    forward(tokens, prefilled_);
+    prefilled_ = n_prompt_;
+    result_.prefill_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+  } else {
+    const int32_t last = result_.ids.back();
+    forward({&last, 1}, n_prompt_ + int64_t(result_.ids.size()) - 1);
   }
-  if (result.finish_reason == "length") {
-    pending += detok.flush();
-    result.text += pending;
-    GeneratedToken none;
-    none.id = -1;
-    if (!pending.empty()) on_token(none, pending);
+  emit(on_token);
+  if (!done_ && int64_t(result_.ids.size()) >= budget_) finish_length(on_token);
+  if (result_.ids.size() > 1)
+    result_.decode_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void Generation::emit(const std::function<void(const GeneratedToken&, std::string_view)>& on_token) {
+  GeneratedToken tok;
+  if (on_device_) {
+    tok.id = device_id_;
+    sampler_.record(tok.id);
+  } else {
+    tok.id = sampler_.sample(logits_);
   }
-  result.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
-  return result;
+  if (req_.top_logprobs >= 0) {
+    tok.logprob = Sampler::logprob_of(logits_, tok.id);
+    tok.top = Sampler::top_logprobs(logits_, req_.top_logprobs);
+  }
+  result_.ids.push_back(tok.id);
+  if (std::find(req_.stop_ids.begin(), req_.stop_ids.end(), tok.id) != req_.stop_ids.end()) {
+    result_.finish_reason = "stop";
+    done_ = true;
+    pending_ += detok_.flush();
+    result_.text += pending_;
+    std::string shown = std::move(pending_);
+    pending_.clear();
+    on_token(tok, shown);
+    return;
+  }
+  pending_ += detok_.push(tok.id);
+  // Stop strings are searched in the text not yet shown plus the tail that could start one.
+  size_t cut = std::string::npos;
+  for (auto& s : req_.stop_strings) cut = std::min(cut, pending_.find(s));
+  if (cut != std::string::npos) {
+    result_.finish_reason = "stop";
+    done_ = true;
+    std::string shown = pending_.substr(0, cut);
+    result_.text += shown;
+    pending_.clear();
+    on_token(tok, shown);
+    return;
+  }
+  const size_t show = pending_.size() - held_back(pending_, req_.stop_strings);
+  std::string shown = pending_.substr(0, show);
+  result_.text += shown;
+  pending_.erase(0, show);
+  on_token(tok, shown);
+}
+
+void Generation::finish_length(const std::function<void(const GeneratedToken&, std::string_view)>& on_token) {
+  done_ = true;
+  pending_ += detok_.flush();
+  result_.text += pending_;
+  GeneratedToken none;
+  none.id = -1;
+  std::string shown = std::move(pending_);
+  pending_.clear();
+  if (!shown.empty()) on_token(none, shown);
+}
+
+GenerateResult generate(Model& model, const Tokenizer& tokenizer, const GenerateRequest& req,
+                        const TokenCallback& on_token) {
+  Generation g(model, tokenizer, req);
+  while (!g.done()) g.step(on_token);
+  return g.result();
 }
 
 }  // namespace nibble

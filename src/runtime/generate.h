@@ -43,6 +43,46 @@ struct GenerateResult {
 // generation comes last with a token whose id is -1.
 using TokenCallback = std::function<void(const GeneratedToken&, std::string_view text)>;
 
+// One sequence's generation, advanced a step at a time so that a scheduler can interleave
+// several (a server's engine): a step runs a chunk of the prompt (the last chunk also picks the
+// first token) or one decode token. Owns the sequence's KV cache; the decode steps recorded for
+// it are released with it.
+class Generation {
+ public:
+  // Validates the request (throws nibble::Error naming what is wrong) and allocates the cache.
+  Generation(Model& model, const Tokenizer& tokenizer, GenerateRequest request);
+  ~Generation();
+  Generation(const Generation&) = delete;
+  Generation& operator=(const Generation&) = delete;
+
+  bool done() const { return done_; }
+  // Prompt tokens not yet run (0 once decoding).
+  int64_t prompt_remaining() const { return n_prompt_ - prefilled_; }
+  // One step; max_prefill_tokens bounds a prompt chunk (chunked prefill). on_token as below.
+  void step(const std::function<void(const GeneratedToken&, std::string_view)>& on_token,
+            int64_t max_prefill_tokens = INT64_MAX);
+  const GenerateResult& result() const { return result_; }
+  const GenerateRequest& request() const { return req_; }
+
+ private:
+  void forward(std::span<const int32_t> tokens, int64_t pos0);
+  void emit(const std::function<void(const GeneratedToken&, std::string_view)>& on_token);
+  void finish_length(const std::function<void(const GeneratedToken&, std::string_view)>& on_token);
+
+  Model& model_;
+  GenerateRequest req_;
+  int64_t n_prompt_ = 0, budget_ = 0, prefilled_ = 0;
+  KvCache kv_;
+  Sampler sampler_;
+  StreamDecoder detok_;
+  GenerateResult result_;
+  std::string pending_;  // decoded text not yet passed to on_token
+  bool on_device_ = false, done_ = false;
+  std::vector<float> logits_;
+  int32_t device_id_ = -1;
+};
+
+// Runs a Generation to the end.
 GenerateResult generate(Model& model, const Tokenizer& tokenizer, const GenerateRequest& request,
                         const TokenCallback& on_token);
 

@@ -110,5 +110,42 @@ TEST_F(GenerateTest, ContextLimits) {
   EXPECT_THROW(gen(req), Error);
 }
 
+// Stepping a Generation with the prompt in chunks (chunked prefill, as the server's engine may)
+// gives the same tokens as one prefill, and interleaving two generations step by step gives each
+// what it gets alone.
+TEST_F(GenerateTest, ChunkedPrefillAndInterleavedStepsMatchOneShot) {
+  model_->set_kv_dtype(DType::F32);
+  GenerateRequest req;
+  req.prompt = tok_->encode("def main():\n    values = [1, 2, 3]\n    return");
+  req.max_context = 256;
+  req.max_new_tokens = 12;
+  req.sampling.temperature = 0;
+  ASSERT_GT(req.prompt.size(), 10u);
+  const GenerateResult whole = gen(req);
+  GenerateRequest other = req;
+  other.prompt = tok_->encode("class A:\n    def f(self):");
+  other.sampling.temperature = 0.8f;
+  other.sampling.seed = 5;
+  const GenerateResult other_alone = gen(other);
+
+  Generation a(*model_, *tok_, req), b(*model_, *tok_, other);
+  std::string text_a, text_b;
+  std::vector<int64_t> remaining;
+  while (!a.done() || !b.done()) {
+    if (!a.done()) {
+      a.step([&](const GeneratedToken&, std::string_view t) { text_a += t; }, 4);
+      remaining.push_back(a.prompt_remaining());
+    }
+    if (!b.done()) b.step([&](const GeneratedToken&, std::string_view t) { text_b += t; }, 3);
+  }
+  EXPECT_EQ(a.result().ids, whole.ids);
+  EXPECT_EQ(text_a, whole.text);
+  EXPECT_EQ(b.result().ids, other_alone.ids);
+  EXPECT_EQ(text_b, other_alone.text);
+  // The prompt went in chunks of 4: the remainder fell by 4 per step until the first token.
+  const int64_t n = int64_t(req.prompt.size());
+  for (size_t i = 0; i + 1 < size_t((n + 3) / 4); ++i) EXPECT_EQ(remaining[i], n - 4 * int64_t(i + 1));
+}
+
 }  // namespace
 }  // namespace nibble
