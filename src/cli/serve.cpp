@@ -49,7 +49,10 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--served-model-name", o->served_model_name, "Model name in the API (default: the model path)");
   cmd->add_option("--max-model-len", o->max_model_len, "Context length, prompt plus output (default: the model's)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--max-num-seqs", o->max_num_seqs, "Most choices (n) one request may ask for")
+  cmd->add_option("--max-num-seqs", o->max_num_seqs, "Sequences generated at once, and the most choices (n) (default 8)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens,
+                  "Tokens per engine step, decode tokens plus prompt chunks (default 2048)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--api-key", o->api_key, "Require 'Authorization: Bearer KEY' on /v1/ routes");
   cmd->add_option("--device", o->device, "cpu or cuda");

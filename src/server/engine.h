@@ -1,9 +1,14 @@
-// The serving engine: one worker thread owns the model and runs queued generations; HTTP threads
+// The serving engine: one worker thread owns the model and runs the generations; HTTP threads
 // submit jobs and read their events (tokens, then done or an error). A job whose client went
-// away is cancelled: skipped if still queued, stopped at its next token if running.
+// away is cancelled: skipped if still queued, stopped at its next step if running, its KV cache
+// freed at once.
 //
-// Today the worker runs one sequence at a time, first come first served (no continuous batching
-// or shared paged KV cache yet: the model's forward takes one sequence).
+// Scheduling follows vLLM v1's rule: up to max_num_seqs sequences run at once; each engine step
+// gives every decoding sequence one token, then spends what is left of max_num_batched_tokens on
+// prompt chunks of the others in arrival order (chunked prefill), so a new request starts while
+// long ones are still generating. A sequence whose KV cache cannot be allocated waits until a
+// running one finishes. The model still runs the sequences of a step one after the other: a
+// batched forward over them is the next step.
 #pragma once
 
 #include <atomic>
@@ -53,9 +58,14 @@ struct EngineStats {
   int64_t prompt_tokens = 0, generation_tokens = 0, cancelled = 0, finished = 0;
 };
 
+struct EngineOptions {
+  int64_t max_num_seqs = 8;               // sequences running at once
+  int64_t max_num_batched_tokens = 2048;  // tokens per engine step (decode tokens + prompt chunks)
+};
+
 class Engine {
  public:
-  Engine(Model& model, const Tokenizer& tokenizer);
+  Engine(Model& model, const Tokenizer& tokenizer, EngineOptions options = {});
   ~Engine();
   std::shared_ptr<EngineJob> submit(GenerateRequest request);
   EngineStats stats();
@@ -64,6 +74,7 @@ class Engine {
   void loop();
   Model& model_;
   const Tokenizer& tokenizer_;
+  EngineOptions options_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<EngineJob>> queue_;

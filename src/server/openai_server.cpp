@@ -114,7 +114,7 @@ struct OpenAiServer::Impl {
     }
     NIBBLE_CHECK(o.reasoning_parser == "auto" || o.reasoning_parser == "qwen3" || o.reasoning_parser == "none",
                  "--reasoning-parser {}: must be auto, qwen3 or none", o.reasoning_parser);
-    engine = std::make_unique<Engine>(*model, *tokenizer);
+    engine = std::make_unique<Engine>(*model, *tokenizer, EngineOptions{o.max_num_seqs, o.max_num_batched_tokens});
   }
 
   void count(const std::string& endpoint, int status) {

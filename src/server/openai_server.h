@@ -17,7 +17,8 @@ struct ServeOptions {
   std::string host = "127.0.0.1";
   int port = 8000;
   int64_t max_model_len = 0;              // 0: the model's
-  int64_t max_num_seqs = 16;              // the most choices one request may ask for (n)
+  int64_t max_num_seqs = 8;               // sequences generated at once (and the most choices, n)
+  int64_t max_num_batched_tokens = 2048;  // tokens per engine step: decode tokens plus prompt chunks
   std::string reasoning_parser = "auto";  // auto (on when the chat template writes </think>), qwen3, none
   std::string kv_cache_dtype = "auto";
   bool enforce_eager = false;

@@ -247,6 +247,20 @@ TEST_F(ServerTest, BadRequestsGetOpenAiErrors) {
   EXPECT_EQ(post(port_, "/v1/completions", {{"prompt", "a"}, {"max_tokens", 1}}).status, 200);
 }
 
+// Continuous batching: a short request sent while a long one is generating finishes first.
+TEST_F(ServerTest, AShortRequestDoesNotWaitForALongOne) {
+  using Clock = std::chrono::steady_clock;
+  auto long_done = std::async(std::launch::async, [&] {
+    post(port_, "/v1/chat/completions", chat("Write a long module.", {{"max_tokens", 600}, {"ignore_eos", true}}));
+    return Clock::now();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  Reply short_reply = post(port_, "/v1/chat/completions", chat("hi", {{"max_tokens", 2}}));
+  const auto short_done = Clock::now();
+  ASSERT_EQ(short_reply.status, 200);
+  EXPECT_LT(short_done, long_done.get());
+}
+
 TEST_F(ServerTest, DisconnectMidStreamCancelsTheGeneration) {
   auto cancelled = [&] {
     const std::string m = request(port_, "GET", "/metrics").body;
