@@ -85,17 +85,9 @@ void run(const RunOptions& o) {
   req.max_context = o.max_model_len > 0 ? o.max_model_len : config.max_position_embeddings;
   req.top_logprobs = o.logprobs;
   req.stop_strings = o.stop;
-  if (!o.ignore_eos) {
-    for (int64_t id : gen.eos_token_ids.empty() ? config.eos_token_ids : gen.eos_token_ids)
-      req.stop_ids.push_back(int32_t(id));
-  }
+  if (!o.ignore_eos) req.stop_ids = eos_token_ids(gen, config);
   SamplingParams& s = req.sampling;
-  s.temperature = o.temperature.value_or(gen.temperature >= 0 ? float(gen.temperature) : 1.f);
-  s.top_p = o.top_p.value_or(gen.top_p > 0 ? float(gen.top_p) : 1.f);
-  s.top_k = o.top_k.value_or(gen.top_k > 0 ? gen.top_k : 0);
-  s.min_p = o.min_p.value_or(gen.min_p >= 0 ? float(gen.min_p) : 0.f);
-  s.repetition_penalty = o.repetition_penalty.value_or(
-      gen.repetition_penalty > 0 ? float(gen.repetition_penalty) : 1.f);
+  apply_generation_defaults({o.temperature, o.top_p, o.min_p, o.repetition_penalty, o.top_k}, gen, s);
   s.presence_penalty = o.presence_penalty;
   s.frequency_penalty = o.frequency_penalty;
   s.seed = o.seed;

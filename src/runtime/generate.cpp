@@ -8,22 +8,7 @@
 namespace nibble {
 namespace {
 
-// Length of the longest suffix of `text` that is a proper prefix of some stop string.
-size_t held_back(std::string_view text, const std::vector<std::string>& stops) {
-  size_t hold = 0;
-  for (auto& s : stops)
-    for (size_t n = std::min(s.size() - 1, text.size()); n > hold; --n)
-      if (text.substr(text.size() - n) == std::string_view(s).substr(0, n)) {
-        hold = n;
-        break;
-      }
-  return hold;
-}
-
-}  // namespace
-
-namespace {
-const GenerateRequest& validated(const Model& model, const GenerateRequest& req) {
+GenerateRequest validated(const Model& model, GenerateRequest req) {
   const int64_t n_prompt = int64_t(req.prompt.size());
   NIBBLE_CHECK(n_prompt > 0, "the prompt is empty");
   NIBBLE_CHECK(n_prompt < req.max_context, "the prompt has {} tokens; the context holds {} (prompt "
@@ -40,7 +25,7 @@ const GenerateRequest& validated(const Model& model, const GenerateRequest& req)
 
 Generation::Generation(Model& model, const Tokenizer& tokenizer, GenerateRequest request)
     : model_(model),
-      req_(std::move(validated(model, request))),
+      req_(validated(model, std::move(request))),
       n_prompt_(int64_t(req_.prompt.size())),
       budget_(std::min(req_.max_new_tokens, req_.max_context - n_prompt_)),
       kv_(model.make_kv_cache(n_prompt_ + budget_)),
@@ -129,7 +114,7 @@ void Generation::emit(const std::function<void(const GeneratedToken&, std::strin
     on_token(tok, shown);
     return;
   }
-  const size_t show = pending_.size() - held_back(pending_, req_.stop_strings);
+  const size_t show = pending_.size() - partial_match_suffix(pending_, req_.stop_strings);
   std::string shown = pending_.substr(0, show);
   result_.text += shown;
   pending_.erase(0, show);
@@ -152,6 +137,32 @@ GenerateResult generate(Model& model, const Tokenizer& tokenizer, const Generate
   Generation g(model, tokenizer, req);
   while (!g.done()) g.step(on_token);
   return g.result();
+}
+
+size_t partial_match_suffix(std::string_view text, std::span<const std::string> patterns) {
+  size_t hold = 0;
+  for (auto& s : patterns)
+    for (size_t n = std::min(s.size() - 1, text.size()); n > hold; --n)
+      if (text.substr(text.size() - n) == std::string_view(s).substr(0, n)) {
+        hold = n;
+        break;
+      }
+  return hold;
+}
+
+void apply_generation_defaults(const SamplingOverrides& given, const GenerationConfig& gen, SamplingParams& s) {
+  s.temperature = given.temperature.value_or(gen.temperature >= 0 ? float(gen.temperature) : 1.f);
+  s.top_p = given.top_p.value_or(gen.top_p > 0 ? float(gen.top_p) : 1.f);
+  s.top_k = given.top_k.value_or(gen.top_k > 0 ? gen.top_k : 0);
+  s.min_p = given.min_p.value_or(gen.min_p >= 0 ? float(gen.min_p) : 0.f);
+  s.repetition_penalty =
+      given.repetition_penalty.value_or(gen.repetition_penalty > 0 ? float(gen.repetition_penalty) : 1.f);
+}
+
+std::vector<int32_t> eos_token_ids(const GenerationConfig& gen, const ModelConfig& config) {
+  std::vector<int32_t> ids;
+  for (int64_t id : gen.eos_token_ids.empty() ? config.eos_token_ids : gen.eos_token_ids) ids.push_back(int32_t(id));
+  return ids;
 }
 
 }  // namespace nibble

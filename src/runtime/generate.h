@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -81,6 +83,20 @@ class Generation {
   std::vector<float> logits_;
   int32_t device_id_ = -1;
 };
+
+// Sampling as vLLM sets it: each parameter the request gives, else the model's
+// generation_config.json default, else the neutral value.
+struct SamplingOverrides {
+  std::optional<float> temperature, top_p, min_p, repetition_penalty;
+  std::optional<int64_t> top_k;
+};
+void apply_generation_defaults(const SamplingOverrides& given, const GenerationConfig& gen, SamplingParams& s);
+// The ids that end generation: generation_config.json's eos_token_id, else config.json's.
+std::vector<int32_t> eos_token_ids(const GenerationConfig& gen, const ModelConfig& config);
+
+// Length of the longest suffix of `text` that is a proper prefix of one of `patterns`: text that
+// may be the start of a stop string (or tag) cut by a token boundary, to be held back.
+size_t partial_match_suffix(std::string_view text, std::span<const std::string> patterns);
 
 // Runs a Generation to the end.
 GenerateResult generate(Model& model, const Tokenizer& tokenizer, const GenerateRequest& request,

@@ -43,7 +43,6 @@ class EngineJob {
 
   const GenerateRequest request;
   std::atomic<bool> cancelled{false};
-  std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
 
  private:
   friend class Engine;

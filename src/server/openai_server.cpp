@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <map>
 #include <random>
+#include <span>
 
 #include "core/status.h"
 #include "format/hf_config.h"
@@ -67,6 +68,7 @@ struct Choice {
   std::unique_ptr<ReasoningParser> parser;
   std::string finish_reason;
   int64_t completion_tokens = 0;
+  size_t text_offset = 0;  // streamed completions' logprobs
 };
 
 }  // namespace
@@ -186,18 +188,11 @@ struct OpenAiServer::Impl {
     g.max_new_tokens = r.max_tokens.value_or(max_model_len - n_prompt);
     g.stop_strings = r.stop;
     g.top_logprobs = r.logprobs;
-    if (!r.ignore_eos)
-      for (int64_t id : gen.eos_token_ids.empty() ? model->config().eos_token_ids : gen.eos_token_ids)
-        g.stop_ids.push_back(int32_t(id));
+    if (!r.ignore_eos) g.stop_ids = eos_token_ids(gen, model->config());
     g.stop_ids.insert(g.stop_ids.end(), r.stop_token_ids.begin(), r.stop_token_ids.end());
     SamplingParams& s = g.sampling;
     s = r.sampling;
-    s.temperature = r.temperature.value_or(gen.temperature >= 0 ? float(gen.temperature) : 1.f);
-    s.top_p = r.top_p.value_or(gen.top_p > 0 ? float(gen.top_p) : 1.f);
-    s.top_k = r.top_k.value_or(gen.top_k > 0 ? gen.top_k : 0);
-    s.min_p = r.min_p.value_or(gen.min_p >= 0 ? float(gen.min_p) : 0.f);
-    s.repetition_penalty =
-        r.repetition_penalty.value_or(gen.repetition_penalty > 0 ? float(gen.repetition_penalty) : 1.f);
+    apply_generation_defaults({r.temperature, r.top_p, r.min_p, r.repetition_penalty, r.top_k}, gen, s);
     if (!r.has_seed) s.seed = std::random_device{}() | (uint64_t(std::random_device{}()) << 32);
     return g;
   }
@@ -215,6 +210,28 @@ struct OpenAiServer::Impl {
     e["top_logprobs"] = top;
     return e;
   }
+  // The logprobs of `tokens` in the endpoint's shape: chat {"content": [entries]}, completions
+  // parallel lists with each token's byte offset in the text (`offset` carries on across chunks).
+  json logprobs_json(std::span<const GeneratedToken> tokens, bool chat, size_t& offset) const {
+    if (chat) {
+      json content = json::array();
+      for (auto& t : tokens) content.push_back(logprob_entry(t));
+      return {{"content", content}};
+    }
+    json toks = json::array(), lps = json::array(), tops = json::array(), offs = json::array();
+    for (auto& t : tokens) {
+      const std::string text = tokenizer->token_bytes(t.id);
+      toks.push_back(text);
+      lps.push_back(t.logprob);
+      json top = json::object();
+      for (auto& x : t.top) top[tokenizer->token_bytes(x.id)] = x.logprob;
+      tops.push_back(top);
+      offs.push_back(offset);
+      offset += text.size();
+    }
+    return {{"tokens", toks}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
+  }
+
 
   void handle_generate(const HttpRequest& req, HttpResponse& res, bool chat) {
     const std::string endpoint = chat ? "chat" : "completions";
@@ -340,26 +357,8 @@ struct OpenAiServer::Impl {
     for (size_t i = 0; i < choices.size(); ++i) {
       Choice& c = choices[i];
       json logprobs = nullptr;
-      if (r.logprobs >= 0) {
-        if (chat) {
-          logprobs = {{"content", json::array()}};
-          for (auto& t : c.tokens) logprobs["content"].push_back(logprob_entry(t));
-        } else {
-          json tokens = json::array(), lps = json::array(), tops = json::array(), offs = json::array();
-          size_t off = 0;
-          for (auto& t : c.tokens) {
-            const std::string s = tokenizer->token_bytes(t.id);
-            tokens.push_back(s);
-            lps.push_back(t.logprob);
-            json top = json::object();
-            for (auto& x : t.top) top[tokenizer->token_bytes(x.id)] = x.logprob;
-            tops.push_back(top);
-            offs.push_back(off);
-            off += s.size();
-          }
-          logprobs = {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offs}};
-        }
-      }
+      size_t offset = 0;
+      if (r.logprobs >= 0) logprobs = logprobs_json(c.tokens, chat, offset);
       if (chat) {
         json msg = {{"role", "assistant"}, {"content", c.text}};
         if (c.parser) msg["reasoning_content"] = c.reasoning.empty() ? json(nullptr) : json(c.reasoning);
@@ -448,18 +447,8 @@ struct OpenAiServer::Impl {
           }
         }
         json logprobs = nullptr;
-        if (r.logprobs >= 0 && e->kind == EngineEvent::kToken && e->token.id >= 0) {
-          if (chat)
-            logprobs = {{"content", json::array({logprob_entry(e->token)})}};
-          else {
-            json top = json::object();
-            for (auto& x : e->token.top) top[tokenizer->token_bytes(x.id)] = x.logprob;
-            logprobs = {{"tokens", {tokenizer->token_bytes(e->token.id)}},
-                        {"token_logprobs", {e->token.logprob}},
-                        {"top_logprobs", {top}},
-                        {"text_offset", {0}}};
-          }
-        }
+        if (r.logprobs >= 0 && e->kind == EngineEvent::kToken && e->token.id >= 0)
+          logprobs = logprobs_json({&e->token, 1}, chat, c.text_offset);
         if (!reasoning_delta.empty() &&
             !res.write_chunk(chunk(i, {{"reasoning_content", reasoning_delta}}, nullptr, nullptr)))
           return cancel_all();

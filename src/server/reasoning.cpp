@@ -1,17 +1,8 @@
 #include "server/reasoning.h"
 
+#include "runtime/generate.h"
+
 namespace nibble {
-namespace {
-
-// Length of the longest suffix of `text` that is a proper prefix of `tag`: what may be the start
-// of a tag cut by a token boundary.
-size_t partial_tag_suffix(std::string_view text, std::string_view tag) {
-  for (size_t n = std::min(text.size(), tag.size() - 1); n > 0; --n)
-    if (text.substr(text.size() - n) == tag.substr(0, n)) return n;
-  return 0;
-}
-
-}  // namespace
 
 ReasoningParser::ReasoningParser(bool starts_in_reasoning, std::string open, std::string close)
     : state_(starts_in_reasoning ? kReasoning : kStart), open_(std::move(open)), close_(std::move(close)) {}
@@ -46,7 +37,7 @@ ReasoningParser::Delta ReasoningParser::push(std::string_view text) {
       state_ = kContent;
       continue;
     }
-    const size_t keep = partial_tag_suffix(held_, close_);
+    const size_t keep = partial_match_suffix(held_, std::span<const std::string>(&close_, 1));
     d.reasoning += held_.substr(0, held_.size() - keep);
     held_.erase(0, held_.size() - keep);
     return d;

@@ -103,9 +103,7 @@ TEST_P(BundledModelTest, GreedyMatchesTransformers) {
   req.sampling.temperature = 0;
   // The model's EOS ids, as `nibble run` uses them. transformers' reference ran all the steps
   // without stopping; generate() ends after emitting the first EOS.
-  GenerationConfig gen = load_generation_config(model_dir());
-  for (int64_t id : gen.eos_token_ids.empty() ? model->config().eos_token_ids : gen.eos_token_ids)
-    req.stop_ids.push_back(int32_t(id));
+  req.stop_ids = eos_token_ids(load_generation_config(model_dir()), model->config());
   auto eos = std::find_first_of(want_.greedy.begin(), want_.greedy.end(), req.stop_ids.begin(), req.stop_ids.end());
   const std::vector<int32_t> expected(want_.greedy.begin(), eos == want_.greedy.end() ? eos : eos + 1);
   GenerateResult r = generate(*model, tok, req, [](const GeneratedToken&, std::string_view) {});

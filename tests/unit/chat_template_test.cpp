@@ -87,7 +87,7 @@ TEST(ChatTemplate, LanguageFeaturesMatchJinja2) {
 
 TEST(ChatTemplate, BundledModelTemplateLoads) {
   const std::string src =
-      load_chat_template_source(std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder");
+      load_chat_template_source(std::string(NIBBLE_MODELS_DIR) + "/nibble-tiny-coder");
   nlohmann::ordered_json ctx = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"add_generation_prompt", true}};
   EXPECT_EQ(ChatTemplate::parse(src, "tiny").render(ctx),
             "<|im_start|>system\nYou are a helpful coding assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"

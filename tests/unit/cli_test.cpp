@@ -279,7 +279,7 @@ TEST_F(CliTest, BadPrompts) {
   expect_error(run_nibble("run -m " + m + " --prompt hi --device tpu"), {"--device tpu"});
   // Chat prompts: a model without a chat template, bad kwargs, --system alone.
   expect_error(run_nibble("run -m " + m + " --chat hi"), {"no chat template"});
-  const std::string tiny = std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder";
+  const std::string tiny = std::string(NIBBLE_MODELS_DIR) + "/nibble-tiny-coder";
   expect_error(run_nibble("run -m " + tiny + " --chat hi --chat-template-kwargs '[1]'"), {"--chat-template-kwargs", "object"});
   expect_error(run_nibble("run -m " + tiny + " --system hi --prompt x"), {"--system needs --chat"});
   expect_error(run_nibble("run -m " + tiny + " --chat hi --prompt x"), {"exactly one"});
@@ -287,7 +287,7 @@ TEST_F(CliTest, BadPrompts) {
 
 // nibble serve refuses bad arguments with a message, before it would block serving.
 TEST_F(CliTest, ServeBadArguments) {
-  const std::string tiny = std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder";
+  const std::string tiny = std::string(NIBBLE_MODELS_DIR) + "/nibble-tiny-coder";
   expect_error(run_nibble("serve"), {"needs a model directory"});
   expect_error(run_nibble("serve " + tiny + " --port 70000"), {"--port 70000"});
   expect_error(run_nibble("serve " + tiny + " --host no.such.host.invalid --port 0"), {"--host no.such.host.invalid"});
@@ -299,7 +299,7 @@ TEST_F(CliTest, ServeBadArguments) {
 // --chat renders the bundled model's ChatML template (default system prompt, generation prompt):
 // the same ids as that text tokenized and given as --prompt-ids.
 TEST_F(CliTest, RunChatUsesTheModelsTemplate) {
-  const std::string tiny = std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder";
+  const std::string tiny = std::string(NIBBLE_MODELS_DIR) + "/nibble-tiny-coder";
   const std::string flags = " -n 12 --temperature 0 --json";
   auto ids_of = [&](const std::string& text) {
     std::string out;

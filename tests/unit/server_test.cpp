@@ -99,7 +99,7 @@ class ServerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     ServeOptions o;
-    o.model_dir = std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder";
+    o.model_dir = std::string(NIBBLE_MODELS_DIR) + "/nibble-tiny-coder";
     o.served_model_name = "tiny";
     o.port = 0;
     o.api_key = "";
@@ -289,7 +289,7 @@ TEST_F(ServerTest, DisconnectMidStreamCancelsTheGeneration) {
 
 TEST(ServerAuth, ApiKeyIsRequiredOnV1Routes) {
   ServeOptions o;
-  o.model_dir = std::string(NIBBLE_FIXTURES_DIR) + "/../../models/nibble-tiny-coder";
+  o.model_dir = std::string(NIBBLE_MODELS_DIR) + "/nibble-tiny-coder";
   o.port = 0;
   o.api_key = "sekrit";
   OpenAiServer server(o);
