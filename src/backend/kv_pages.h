@@ -18,6 +18,11 @@ struct KvPages {
   DType dtype = DType::F16;
   const int32_t* block_table = nullptr;
   int block_size_log2 = 4;  // block_size = 1 << block_size_log2: a shift and a mask per lookup
+  // A step over several sequences (a server's batch): block_table holds one row of table_stride
+  // entries per sequence and token t reads row seq_rows[t] (in the backend's memory, a step input
+  // like the positions). Null: every token reads the one table at block_table.
+  const int32_t* seq_rows = nullptr;
+  int64_t table_stride = 0;
 
   int64_t block_size() const { return int64_t(1) << block_size_log2; }
 };
@@ -28,6 +33,15 @@ __host__ __device__
 #endif
 inline int64_t kv_pool_row(const int32_t* block_table, int block_size_log2, int64_t p) {
   return (int64_t(block_table[p >> block_size_log2]) << block_size_log2) | (p & ((int64_t(1) << block_size_log2) - 1));
+}
+
+// The block table token t reads (host and device code).
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline const int32_t* kv_token_table(const int32_t* block_table, const int32_t* seq_rows, int64_t table_stride,
+                                     int64_t t) {
+  return seq_rows ? block_table + int64_t(seq_rows[t]) * table_stride : block_table;
 }
 
 }  // namespace nibble

@@ -34,7 +34,8 @@ __device__ __forceinline__ void online_softmax_step(float score, const float (&v
 
 template <typename T>
 __global__ void attention_online_warp_kernel(const float* __restrict__ q, const T* __restrict__ k,
-                                             const T* __restrict__ v, const int32_t* __restrict__ block_table,
+                                             const T* __restrict__ v, const int32_t* __restrict__ tables,
+                                             const int32_t* __restrict__ seq_rows, int64_t table_stride,
                                              int block_size_log2, float* __restrict__ out, int64_t m,
                                              const int32_t* __restrict__ positions, int64_t n_head,
                                              int64_t n_head_kv, int64_t head_dim, float scale) {
@@ -42,6 +43,7 @@ __global__ void attention_online_warp_kernel(const float* __restrict__ q, const 
   const int lane = threadIdx.x % 32;
   if (pair >= m * n_head) return;
   const int64_t t = pair / n_head, h = pair % n_head, kv = h / (n_head / n_head_kv);
+  const int32_t* block_table = kv_token_table(tables, seq_rows, table_stride, t);
   const float* qh = q + pair * head_dim;
   constexpr int kPerLane = kAttentionMaxHeadDim / 32;
   float qv[kPerLane], acc[kPerLane];
@@ -195,7 +197,8 @@ __host__ __device__ constexpr int decode_split(int64_t max_context) {
 template <int G, int HD, int SPLIT>
 __global__ void __launch_bounds__(kDecodeThreads)
 attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                        const int32_t* __restrict__ block_table, int block_size_log2,
+                        const int32_t* __restrict__ tables, const int32_t* __restrict__ seq_rows,
+                        int64_t table_stride, int block_size_log2,
                         float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
                         const int32_t* __restrict__ positions, int64_t n_head, int64_t n_head_kv, float scale,
                         int64_t n_splits) {
@@ -207,6 +210,7 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
   __shared__ float s_max[G], s_sum[G];
   const int64_t t = blockIdx.x / n_head_kv, kv = blockIdx.x % n_head_kv, split = blockIdx.y;
   const int64_t group = n_head / n_head_kv;
+  const int32_t* block_table = kv_token_table(tables, seq_rows, table_stride, t);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t row_stride = n_head_kv * HD;
   const float* kbase = k + kv * HD;
@@ -313,7 +317,8 @@ constexpr int kDecodeTcTile = 16, kDecodeTcRows = 16;
 template <int HD, int SPLIT, int WARPS, int ROWS>
 __global__ void __launch_bounds__(32 * WARPS)
 attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict__ k, const __half* __restrict__ v,
-                           const int32_t* __restrict__ block_table, int block_size_log2,
+                           const int32_t* __restrict__ tables, const int32_t* __restrict__ seq_rows,
+                           int64_t table_stride, int block_size_log2,
                            float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
                            const int32_t* __restrict__ positions, int64_t n_head, int64_t n_head_kv,
                            float scale_log2, int64_t n_splits) {
@@ -330,6 +335,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict
   __shared__ float s_max[ROWS], s_sum[ROWS];
   const int64_t t = blockIdx.x / n_head_kv, kv = blockIdx.x % n_head_kv, split = blockIdx.y;
   const int group = int(n_head / n_head_kv);
+  const int32_t* block_table = kv_token_table(tables, seq_rows, table_stride, t);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int64_t row_stride = n_head_kv * HD;
   const __half* kbase = k + kv * HD;

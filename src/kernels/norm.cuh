@@ -62,7 +62,8 @@ __global__ void qk_norm_rope_kv_write_kernel(const float* q_in, float* q_out, in
                                              const float* __restrict__ inv_freq, float attention_factor,
                                              const int32_t* __restrict__ positions, int64_t n_head,
                                              int64_t n_head_kv, int64_t head_dim, T* __restrict__ k_cache,
-                                             T* __restrict__ v_cache, const int32_t* __restrict__ block_table,
+                                             T* __restrict__ v_cache, const int32_t* __restrict__ tables,
+                                             const int32_t* __restrict__ seq_rows, int64_t table_stride,
                                              int block_size_log2) {
   constexpr int kMaxPerLane = 8;  // head_dim <= 256
   const int64_t t = blockIdx.x, h = int64_t(blockIdx.y) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -73,7 +74,9 @@ __global__ void qk_norm_rope_kv_write_kernel(const float* q_in, float* q_out, in
   // Before the PDL wait, all that does not come from the projection: the position and its pool
   // row (step inputs, see pdl.cuh), the norm weights and the rotation. After it, the head's
   // values are one load away from their stores.
-  const int64_t pos = positions[t], row = is_q || !active ? 0 : kv_pool_row(block_table, block_size_log2, pos);
+  const int64_t pos = positions[t];
+  const int64_t row =
+      is_q || !active ? 0 : kv_pool_row(kv_token_table(tables, seq_rows, table_stride, t), block_size_log2, pos);
   // Lane holds pairs (i, i + half) for i = lane + 32 j, so the rotation needs no exchange.
   float w0[kMaxPerLane], w1[kMaxPerLane], cs[kMaxPerLane], sn[kMaxPerLane];
 #pragma unroll

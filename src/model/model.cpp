@@ -1,10 +1,31 @@
 #include <algorithm>
 #include <bit>
+#include <initializer_list>
 
 #include "core/status.h"
 #include "model/model.h"
 
 namespace nibble {
+namespace {
+// Batch sizes decode steps are recorded for (vLLM's capture sizes): 1, 2, 4, 8, then steps of 8.
+int64_t batch_bucket(int64_t n) { return n <= 8 ? int64_t(std::bit_ceil(uint64_t(n))) : (n + 7) / 8 * 8; }
+// A decode step's attention work is sized by its context bucket (a power of two, at least 256),
+// eager or recorded, so both run the same kernels with the same splits and give the same bits.
+int64_t context_bucket(int64_t context, int64_t limit) {
+  return std::min<int64_t>(limit, std::max<int64_t>(256, int64_t(std::bit_ceil(uint64_t(context)))));
+}
+// A recorded step's key from its parts (splitmix64 over each).
+uint64_t graph_key(std::initializer_list<uint64_t> parts) {
+  uint64_t h = 0;
+  for (uint64_t p : parts) {
+    h ^= p + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
+    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
+    h ^= h >> 31;
+  }
+  return h;
+}
+}  // namespace
 
 void Model::forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
                     std::vector<float>& logits) {
@@ -36,15 +57,15 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
   const int64_t rows = all_logits ? T : 1;
   if (logits) logits->resize(size_t(rows * vocab));
 
-  // A decode step's work is sized by its context bucket (a power of two, at least 256), eager or
-  // recorded, so both run the same kernels with the same splits and give the same bits.
-  const int64_t bucket = std::min<int64_t>(kv.max_tokens(), std::max<int64_t>(256, std::bit_ceil(uint64_t(pos0 + 1))));
+  const int64_t bucket = context_bucket(pos0 + 1, kv.max_tokens());
   if (T > 1 || !use_graphs_ || tracer_ || !backend_.supports_graphs()) {
     Buffer ids(backend_, size_t(T) * 4), pos(backend_, size_t(T) * 4);
     Buffer out(backend_, size_t(rows * vocab) * 4);
     backend_.copy_to_backend(ids.data(), tokens.data(), size_t(T) * 4);
     backend_.copy_to_backend(pos.data(), positions.data(), size_t(T) * 4);
-    compute({ids.data<int32_t>(), pos.data<int32_t>(), T, T == 1 ? bucket : pos0 + T, all_logits, out.data()}, kv);
+    Step step{ids.data<int32_t>(), pos.data<int32_t>(), T, T == 1 ? bucket : pos0 + T, all_logits, out.data()};
+    step.cache = &kv;
+    compute(step);
     if (token_id) {
       Buffer id(backend_, 4), in(backend_, sizeof(SampleInputs));
       if (sample) {
@@ -71,41 +92,42 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
   backend_.copy_to_backend(decode_ids_.data(), tokens.data(), 4);
   backend_.copy_to_backend(decode_positions_.data(), positions.data(), 4);
   if (sample) backend_.copy_to_backend(decode_sample_.data(), sample, sizeof(SampleInputs));
-  const Step step{decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>(), 1, bucket, false,
-                  decode_logits_.data()};
+  Step step{decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>(), 1, bucket, false, decode_logits_.data()};
+  step.cache = &kv;
   // Greedy and sampled steps record the argmax or the draw too: graphs of their own. The draw's
   // parameters are read from device memory, so one graph serves every request's.
   const uint64_t key = (id_ << 48) ^ (kv.id() << 24) ^ uint64_t(bucket) ^
                        (token_id ? uint64_t(sample ? 2 : 1) << 46 : 0);
-  auto step_ops = [&] {
-    compute(step, kv);
+  record_or_replay(key, [&] {
+    compute(step);
     if (token_id && sample)
       backend_.sample(decode_logits_.data(), vocab, decode_sample_.data<SampleInputs>(), decode_token_.data<int32_t>());
     else if (token_id)
       backend_.argmax(decode_logits_.data(), 1, vocab, decode_token_.data<int32_t>());
-  };
-  if (!backend_.replay(key)) {
-    // A first recording can fail for a passing reason (a table built on first use); a key that
-    // failed twice runs uncaptured from then on.
-    const bool give_up = std::count(capture_failures_.begin(), capture_failures_.end(), key) >= 2;
-    bool recorded = false;
-    if (!give_up) {
-      backend_.begin_capture(key);
-      step_ops();
-      recorded = backend_.end_capture(key);
-    }
-    if (recorded) {
-      graph_keys_[kv.id()].push_back(key);
-      backend_.replay(key);
-    } else {
-      if (!give_up) capture_failures_.push_back(key);
-      step_ops();
-    }
-  }
+  }, graph_keys_[kv.id()]);
   if (token_id)
     backend_.copy_to_host(token_id, decode_token_.data(), 4);
   else
     backend_.copy_to_host(logits->data(), decode_logits_.data(), size_t(vocab) * 4);
+}
+
+bool Model::record_or_replay(uint64_t key, const std::function<void()>& ops, std::vector<uint64_t>& keys) {
+  if (backend_.replay(key)) return true;
+  // A first recording can fail for a passing reason (a table built on first use); a key that
+  // failed twice runs uncaptured from then on.
+  const bool give_up = std::count(capture_failures_.begin(), capture_failures_.end(), key) >= 2;
+  if (!give_up) {
+    backend_.begin_capture(key);
+    ops();
+    if (backend_.end_capture(key)) {
+      keys.push_back(key);
+      backend_.replay(key);
+      return true;
+    }
+    capture_failures_.push_back(key);
+  }
+  ops();
+  return false;
 }
 
 void Model::release_graphs(const KvCache& kv) {
@@ -113,6 +135,180 @@ void Model::release_graphs(const KvCache& kv) {
   if (it == graph_keys_.end()) return;
   for (uint64_t key : it->second) backend_.drop_graph(key);
   graph_keys_.erase(it);
+}
+
+void Model::release_graphs(const KvPool& pool) {
+  auto it = pool_graph_keys_.find(pool.id());
+  if (it == pool_graph_keys_.end()) return;
+  for (uint64_t key : it->second) backend_.drop_graph(key);
+  pool_graph_keys_.erase(it);
+}
+
+
+void Model::forward_batch(std::span<const BatchEntry> entries, KvPool& pool, BatchOutput& out) {
+  using Output = BatchEntry::Output;
+  const int64_t vocab = config_.vocab_size;
+  NIBBLE_CHECK(!entries.empty(), "forward: an empty batch");
+  // Single-token entries first (decoding sequences), then prompt chunks.
+  std::vector<size_t> order;
+  for (size_t e = 0; e < entries.size(); ++e)
+    if (entries[e].tokens.size() == 1) order.push_back(e);
+  const int64_t n_single = int64_t(order.size());
+  for (size_t e = 0; e < entries.size(); ++e)
+    if (entries[e].tokens.size() != 1) order.push_back(e);
+  std::vector<int32_t> ids, positions, rows;
+  std::vector<StepSegment> segments;
+  int64_t single_context = 1, n_logit_rows = n_single;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const BatchEntry& e = entries[order[i]];
+    const int64_t n = int64_t(e.tokens.size());
+    NIBBLE_CHECK(n > 0, "forward: an entry without tokens");
+    NIBBLE_CHECK(e.row >= 0 && e.row < pool.n_rows(), "forward: table row {} of {}", e.row, pool.n_rows());
+    NIBBLE_CHECK(e.pos0 >= 0 && e.pos0 + n <= pool.max_tokens_per_row(), "sequence of {} tokens does not fit the "
+                 "context of {} tokens", e.pos0 + n, pool.max_tokens_per_row());
+    for (int32_t id : e.tokens)
+      NIBBLE_CHECK(id >= 0 && id < vocab, "token id {} is outside the vocabulary (0..{})", id, vocab - 1);
+    if (int64_t(i) >= n_single)
+      segments.push_back({int64_t(ids.size()), n, e.pos0, e.row, e.output == Output::kNone ? -1 : n_logit_rows++});
+    else
+      single_context = std::max(single_context, e.pos0 + 1);
+    for (int64_t t = 0; t < n; ++t) {
+      ids.push_back(e.tokens[size_t(t)]);
+      positions.push_back(int32_t(e.pos0 + t));
+      rows.push_back(int32_t(e.row));
+    }
+  }
+  const int64_t bucket = context_bucket(single_context, pool.max_tokens_per_row());
+  pool.sync();
+
+  // Logits rows of the step: entry order[i] (single) is row i; segment j its logits_row.
+  std::vector<int64_t> logit_row(entries.size(), -1);
+  for (int64_t i = 0; i < n_single; ++i) logit_row[order[size_t(i)]] = i;
+  for (size_t j = 0; j < segments.size(); ++j) logit_row[order[size_t(n_single) + j]] = segments[j].logits_row;
+
+  const bool record = segments.empty() && use_graphs_ && !tracer_ && backend_.supports_graphs();
+  const int64_t rows_run = record ? std::min(batch_bucket(n_single), batch_bucket(pool.n_rows())) : 0;
+  Buffer eager_ids, eager_pos, eager_rows, eager_logits, eager_tokens;
+  float* logits = nullptr;
+  int32_t* tokens = nullptr;
+  if (record) {
+    // Padding rows: token 0 at position 0 of the padding row, whose table points at the reserved block.
+    ids.resize(size_t(rows_run), 0);
+    positions.resize(size_t(rows_run), 0);
+    rows.resize(size_t(rows_run), int32_t(pool.padding_row()));
+    if (batch_capacity_ < rows_run) {
+      batch_capacity_ = batch_bucket(pool.n_rows());
+      const size_t n = size_t(batch_capacity_);
+      batch_ids_ = Buffer(backend_, n * 4);
+      batch_positions_ = Buffer(backend_, n * 4);
+      batch_rows_ = Buffer(backend_, n * 4);
+      batch_logits_ = Buffer(backend_, n * size_t(vocab) * 4);
+      batch_tokens_ = Buffer(backend_, n * 4);
+      batch_sample_ = Buffer(backend_, n * sizeof(SampleInputs));
+    }
+    backend_.copy_to_backend(batch_ids_.data(), ids.data(), ids.size() * 4);
+    backend_.copy_to_backend(batch_positions_.data(), positions.data(), positions.size() * 4);
+    backend_.copy_to_backend(batch_rows_.data(), rows.data(), rows.size() * 4);
+    logits = batch_logits_.data();
+    tokens = batch_tokens_.data<int32_t>();
+    Step step{batch_ids_.data<int32_t>(), batch_positions_.data<int32_t>(), rows_run, bucket, false, logits};
+    step.pool = &pool;
+    step.seq_rows = batch_rows_.data<int32_t>();
+    step.n_single = rows_run;
+    // The capacity is part of the key: the buffers the graph was recorded on.
+    const uint64_t key = graph_key({id_, pool.id(), uint64_t(batch_capacity_), uint64_t(rows_run), uint64_t(bucket)});
+    record_or_replay(key, [&] {
+      compute(step);
+      backend_.argmax(logits, rows_run, vocab, tokens);
+    }, pool_graph_keys_[pool.id()]);
+  } else {
+    const size_t T = ids.size();
+    eager_ids = Buffer(backend_, T * 4);
+    eager_pos = Buffer(backend_, T * 4);
+    eager_rows = Buffer(backend_, T * 4);
+    eager_logits = Buffer(backend_, size_t(std::max<int64_t>(1, n_logit_rows) * vocab) * 4);
+    eager_tokens = Buffer(backend_, size_t(std::max<int64_t>(1, n_logit_rows)) * 4);
+    backend_.copy_to_backend(eager_ids.data(), ids.data(), T * 4);
+    backend_.copy_to_backend(eager_pos.data(), positions.data(), T * 4);
+    backend_.copy_to_backend(eager_rows.data(), rows.data(), T * 4);
+    logits = eager_logits.data();
+    tokens = eager_tokens.data<int32_t>();
+    Step step{eager_ids.data<int32_t>(), eager_pos.data<int32_t>(), int64_t(T), bucket, false, logits};
+    step.pool = &pool;
+    step.seq_rows = eager_rows.data<int32_t>();
+    step.n_single = n_single;
+    step.segments = segments;
+    compute(step);
+    if (n_logit_rows) backend_.argmax(logits, n_logit_rows, vocab, tokens);
+  }
+
+  // The argmax ran over every row; sampled rows draw now, logits rows are copied.
+  out.tokens.assign(entries.size(), -1);
+  out.logits.clear();
+  std::vector<int32_t> argmax(size_t(std::max<int64_t>(n_logit_rows, rows_run)));
+  if (!argmax.empty()) backend_.copy_to_host(argmax.data(), tokens, argmax.size() * 4);
+  Buffer sample_in, sample_out;
+  for (size_t e = 0; e < entries.size(); ++e) {
+    const int64_t r = logit_row[e];
+    switch (entries[e].output) {
+      case Output::kNone:
+        break;
+      case Output::kGreedy:
+        out.tokens[e] = argmax[size_t(r)];
+        break;
+      case Output::kSample: {
+        if (!sample_in.data()) {
+          sample_in = Buffer(backend_, sizeof(SampleInputs));
+          sample_out = Buffer(backend_, 4);
+        }
+        backend_.copy_to_backend(sample_in.data(), &entries[e].sample, sizeof(SampleInputs));
+        backend_.sample(logits + r * vocab, vocab, sample_in.data<SampleInputs>(), sample_out.data<int32_t>());
+        backend_.copy_to_host(&out.tokens[e], sample_out.data(), 4);
+        break;
+      }
+      case Output::kLogits: {
+        const size_t at = out.logits.size();
+        out.logits.resize(at + size_t(vocab));
+        backend_.copy_to_host(out.logits.data() + at, logits + r * vocab, size_t(vocab) * 4);
+        break;
+      }
+    }
+  }
+}
+
+void Model::attend(const Step& s, int64_t layer, const float* q, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
+                   float scale, float* out) const {
+  if (s.cache) {
+    backend_.attention(q, s.cache->layer(layer), s.n_tokens, s.positions, s.max_context, n_head, n_head_kv, head_dim,
+                       scale, out);
+    return;
+  }
+  const int64_t row = n_head * head_dim;
+  if (s.n_single)
+    backend_.attention(q, s.pool->layer(layer, s.seq_rows), s.n_single, s.positions, s.max_context, n_head, n_head_kv,
+                       head_dim, scale, out);
+  for (const StepSegment& g : s.segments)
+    backend_.attention(q + g.first * row, s.pool->row_layer(layer, g.row), g.count, s.positions + g.first,
+                       g.pos0 + g.count, n_head, n_head_kv, head_dim, scale, out + g.first * row);
+}
+
+int64_t Model::project_logits(const Step& s, const float* x, const WeightVector& norm, float eps,
+                              const LinearWeight& lm_head) const {
+  const int64_t H = config_.hidden_size, vocab = config_.vocab_size;
+  if (s.cache) {
+    const int64_t first = s.all_logits ? 0 : s.n_tokens - 1;
+    backend_.rms_norm_linear(x + first * H, norm, eps, lm_head, s.n_tokens - first, s.logits);
+    return s.n_tokens - first;
+  }
+  int64_t rows = 0;
+  if (s.n_single) backend_.rms_norm_linear(x, norm, eps, lm_head, s.n_single, s.logits);
+  rows = s.n_single;
+  for (const StepSegment& g : s.segments)
+    if (g.logits_row >= 0) {
+      backend_.rms_norm_linear(x + (g.first + g.count - 1) * H, norm, eps, lm_head, 1, s.logits + g.logits_row * vocab);
+      ++rows;
+    }
+  return rows;
 }
 
 }  // namespace nibble

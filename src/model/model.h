@@ -14,6 +14,7 @@
 #include "backend/backend.h"
 #include "format/hf_config.h"
 #include "runtime/kv_cache.h"
+#include "runtime/kv_pool.h"
 
 namespace nibble {
 
@@ -21,15 +22,47 @@ namespace nibble {
 // set: the hook for dumping a model layer by layer and comparing it with the reference.
 using Tracer = std::function<void(const std::string& name, const float* data, int64_t rows, int64_t dim)>;
 
+// A sequence's prompt chunk within a batched step (Model::forward_batch): tokens
+// first .. first+count-1 of the step, at positions pos0.., in table row `row`; logits_row >= 0:
+// the row of the step's logits that gets its last token's logits.
+struct StepSegment {
+  int64_t first, count, pos0, row, logits_row;
+};
+
 // One forward step as an architecture computes it: everything in the backend's memory, so the
-// same recorded step can be replayed for the next token.
+// same recorded step can be replayed for the next token. The KV memory is either one sequence's
+// KvCache or a KvPool shared by several sequences (then seq_rows gives each token's table row,
+// the first n_single tokens are each a decoding sequence's one token and the segments follow).
 struct Step {
   const int32_t* ids;        // [n_tokens]
   const int32_t* positions;  // [n_tokens]: position of each token in its sequence
   int64_t n_tokens;
-  int64_t max_context;  // bound on positions + 1: sizes attention's work
-  bool all_logits;      // logits for every token, or the last only
-  float* logits;        // [n_tokens or 1, vocab]
+  int64_t max_context;  // bound on positions + 1 (of the single-token rows in a batch): sizes attention's work
+  bool all_logits;      // one sequence: logits for every token, or the last only
+  float* logits;        // [n_tokens or 1, vocab]; a batch: [n_single + segments with logits, vocab]
+  KvCache* cache = nullptr;
+  const KvPool* pool = nullptr;
+  const int32_t* seq_rows = nullptr;  // [n_tokens], with pool
+  int64_t n_single = 0;
+  std::vector<StepSegment> segments = {};
+
+  KvPages kv_layer(int64_t i) const { return cache ? cache->layer(i) : pool->layer(i, seq_rows); }
+};
+
+// One sequence's part of a batched step: its next tokens at positions pos0.., its KV in row
+// `row` of the pool's block table, and what the step returns for it (the token picked after its
+// last token, or that token's logits, or nothing for a prompt chunk that is not the last).
+struct BatchEntry {
+  enum class Output { kNone, kLogits, kGreedy, kSample };
+  std::span<const int32_t> tokens;
+  int64_t pos0 = 0;
+  int64_t row = 0;
+  Output output = Output::kGreedy;
+  SampleInputs sample;  // kSample
+};
+struct BatchOutput {
+  std::vector<int32_t> tokens;  // per entry: the picked token (kGreedy, kSample), else -1
+  std::vector<float> logits;    // [entries with kLogits, vocab] in entry order
 };
 
 class Model {
@@ -48,6 +81,13 @@ class Model {
   int32_t forward_greedy(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv);
   // The same step with the token drawn on the device (Backend::sample with `in`).
   int32_t forward_sample(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, const SampleInputs& in);
+  // Several sequences in one step over a shared KvPool (a server's batch): every weight is read
+  // once for all of them. Decode steps (one token per sequence) are recorded per (batch size
+  // bucket, context bucket) and replayed, padded to the bucket with rows that write only to the
+  // pool's reserved block. The pool's table must hold each row's blocks (KvPool::set_row).
+  void forward_batch(std::span<const BatchEntry> entries, KvPool& pool, BatchOutput& out);
+  // Frees the steps recorded over `pool` (before it goes away).
+  void release_graphs(const KvPool& pool);
   void set_use_graphs(bool on) { use_graphs_ = on; }
   // Frees the steps recorded for `kv` (call before the cache goes away: a server makes a cache
   // per request, and their graphs would otherwise pile up on the device).
@@ -57,6 +97,16 @@ class Model {
   virtual KvCache make_kv_cache(int64_t max_tokens, int block_size_log2 = KvCache::kDefaultBlockSizeLog2) const {
     return KvCache(backend_, config_.num_hidden_layers, max_tokens, config_.num_key_value_heads, config_.head_dim,
                    kv_dtype_, block_size_log2);
+  }
+  // A pool shared by up to n_rows sequences of up to blocks_per_row blocks each (a server's).
+  std::unique_ptr<KvPool> make_kv_pool(int64_t n_blocks, int block_size_log2, int64_t n_rows,
+                                       int64_t blocks_per_row) const {
+    return std::make_unique<KvPool>(backend_, config_.num_hidden_layers, n_blocks, config_.num_key_value_heads,
+                                    config_.head_dim, kv_dtype_, block_size_log2, n_rows, blocks_per_row);
+  }
+  int64_t kv_bytes_per_block(int block_size_log2) const {
+    return KvPool::bytes_per_block(config_.num_hidden_layers, config_.num_key_value_heads, config_.head_dim,
+                                   kv_dtype_, block_size_log2);
   }
   void set_kv_dtype(DType dtype) {
     NIBBLE_CHECK(kv_dtype_supported(dtype), "KV cache dtype {} is not supported (F16 or F32)", dtype_name(dtype));
@@ -79,7 +129,15 @@ class Model {
     static std::atomic<uint64_t> counter{0};
     id_ = ++counter;
   }
-  virtual void compute(const Step& step, KvCache& kv) = 0;
+  virtual void compute(const Step& step) = 0;
+  // Attention of a step's queries q [n_tokens, n_head, hd] into out: one call for one sequence;
+  // for a batch one call for the single-token rows and one per prompt chunk.
+  void attend(const Step& step, int64_t layer, const float* q, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
+              float scale, float* out) const;
+  // The final norm and lm_head over the rows of x that the step wants logits of, into
+  // step.logits; returns the number of rows written.
+  int64_t project_logits(const Step& step, const float* x, const WeightVector& norm, float eps,
+                         const LinearWeight& lm_head) const;
   // `data` is in the backend's memory; the tracer always gets a host copy.
   void trace(const std::string& name, const float* data, int64_t rows, int64_t dim) const {
     if (!tracer_) return;
@@ -103,6 +161,11 @@ class Model {
   Buffer decode_ids_, decode_positions_, decode_logits_, decode_token_, decode_sample_;
   std::vector<uint64_t> capture_failures_;  // keys whose recording failed (tried at most twice)
   std::unordered_map<uint64_t, std::vector<uint64_t>> graph_keys_;  // KvCache id -> keys recorded for it
+  std::unordered_map<uint64_t, std::vector<uint64_t>> pool_graph_keys_;  // KvPool id -> keys
+  // Fixed addresses for recorded batch steps, sized for `batch_capacity_` rows.
+  int64_t batch_capacity_ = 0;
+  Buffer batch_ids_, batch_positions_, batch_rows_, batch_logits_, batch_tokens_, batch_sample_;
+  bool record_or_replay(uint64_t key, const std::function<void()>& ops, std::vector<uint64_t>& keys);
 };
 
 struct LoadOptions {

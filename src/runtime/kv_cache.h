@@ -45,7 +45,7 @@ class KvCache {
   int64_t max_tokens() const { return max_tokens_; }
   int64_t n_blocks() const { return n_blocks_; }
   DType dtype() const { return dtype_; }
-  KvPages layer(int64_t i) {
+  KvPages layer(int64_t i) const {
     return {k_[size_t(i)].data(), v_[size_t(i)].data(), dtype_, table_.data<int32_t>(), block_size_log2_};
   }
   int64_t row_elements() const { return row_; }  // n_head_kv * head_dim

@@ -275,6 +275,86 @@ TEST_F(OpsTest, Attention) {
   }
 }
 
+// Several sequences in one step (a server's batch): each sequence owns a row of the block table
+// (KvPages::seq_rows, table_stride) over one shared, shuffled pool; tokens of different
+// sequences and lengths are interleaved in one call. The KV write lands in each token's own
+// sequence, and attention reads only its own sequence's rows (other sequences' rows hold values
+// that would change the result). m = 5 takes the decode kernels at once, m = 37 in token chunks
+// (the flash kernel serves one sequence per launch).
+TEST_F(OpsTest, AttentionSeveralSequences) {
+  using Shape = AttentionShape;
+  for (DType dtype : {DType::F16, DType::F32}) {
+    for (Shape s : {Shape{32, 4, 128}, Shape{8, 8, 64}}) {
+      for (int64_t m : {5, 37}) {
+        const int64_t row = s.n_head_kv * s.head_dim, block = 16;
+        std::vector<int32_t> contexts;  // one sequence per token, lengths 1 .. ~1100
+        for (int64_t t = 0; t < m; ++t) contexts.push_back(int32_t(1 + (t * 397 + 13) % 1100));
+        int64_t stride = 0, total = 0;
+        for (int32_t c : contexts) {
+          stride = std::max<int64_t>(stride, (c + block - 1) / block);
+          total += (c + block - 1) / block;
+        }
+        PagedKv kv = paged_kv(total * block, row, dtype, 4);  // its table: a shuffled permutation
+        std::vector<int32_t> tables(size_t(m * stride), 0), seq_rows(static_cast<size_t>(m)),
+            positions(static_cast<size_t>(m));
+        std::vector<int32_t> permutation = kv.table;
+        int64_t used = 0;
+        for (int64_t t = 0; t < m; ++t) {
+          const int64_t n = (contexts[size_t(t)] + block - 1) / block;
+          for (int64_t b = 0; b < n; ++b) tables[size_t(t * stride + b)] = permutation[size_t(used++)];
+          seq_rows[size_t(m - 1 - t)] = int32_t(t);  // rows in the reverse of token order
+          positions[size_t(m - 1 - t)] = contexts[size_t(t)] - 1;
+        }
+        fill_random(kv, total * block);  // every pool row holds values: none may be read by another sequence
+        upload(kv);
+        KvPages host = kv.host(), dev = kv.gpu();
+        host.block_table = tables.data();
+        host.seq_rows = seq_rows.data();
+        host.table_stride = dev.table_stride = stride;
+        dev.block_table = on_gpu(tables);
+        dev.seq_rows = on_gpu(seq_rows);
+        const std::string what = fmt::format("{} sequences {}/{}x{} {}", m, s.n_head, s.n_head_kv, s.head_dim,
+                                             dtype_name(dtype));
+        // The write of each token's new K/V row, then attention over all.
+        ModelConfig c;
+        c.head_dim = s.head_dim;
+        c.rope.theta = 1e6;
+        RopeTable rope = make_rope_table(c);
+        RopeTable dev_rope{gpu_->upload(rope.inv_freq), rope.attention_factor};
+        auto q = random(m * s.n_head * s.head_dim), k = random(m * row), v = random(m * row);
+        std::vector<float> want_q = q;
+        cpu_->qk_norm_rope_kv_write(want_q.data(), want_q.data(), s.n_head * s.head_dim, k.data(), v.data(), row, {},
+                                    {}, 1e-6f, rope, positions.data(), m, s.n_head, s.n_head_kv, s.head_dim, host);
+        float* dq = on_gpu(q);
+        gpu_->qk_norm_rope_kv_write(dq, dq, s.n_head * s.head_dim, on_gpu(k), on_gpu(v), row, {}, {}, 1e-6f,
+                                    dev_rope, on_gpu(positions), m, s.n_head, s.n_head_kv, s.head_dim, dev);
+        expect_close(to_host(dq, int64_t(q.size())), want_q, what + " q", kTolerance);
+        std::vector<uint8_t> pool(kv.k.size());
+        gpu_->copy_to_host(pool.data(), kv.gpu_k, pool.size());
+        std::vector<float> got_k, want_k;
+        for (int64_t t = 0; t < m; ++t) {
+          const int32_t* table = tables.data() + int64_t(seq_rows[size_t(t)]) * stride;
+          const int64_t r = kv_pool_row(table, 4, positions[size_t(t)]);
+          for (int64_t i = 0; i < row; ++i) {
+            got_k.push_back(kv.at(pool, r, i));
+            want_k.push_back(kv.at(kv.k, r, i));
+          }
+        }
+        expect_close(got_k, want_k, what + " k cache", dtype == DType::F32 ? kTolerance : 1e-3);
+        std::vector<float> want(q.size());
+        const float scale = 1.f / std::sqrt(float(s.head_dim));
+        cpu_->attention(want_q.data(), host, m, positions.data(), 1100 + 100, s.n_head, s.n_head_kv, s.head_dim,
+                        scale, want.data());
+        float* out = poisoned_gpu(int64_t(want.size()));
+        gpu_->attention(dq, dev, m, on_gpu(positions), 1100 + 100, s.n_head, s.n_head_kv, s.head_dim, scale, out);
+        expect_close(to_host(out, int64_t(want.size())), want, what + " attention",
+                     dtype == DType::F16 || s.n_head / s.n_head_kv <= 8 ? 2e-3 : kTolerance);
+        release_buffers();
+      }
+    }
+  }
+}
+
 // Backend::sample against the reference (backend/sampling.h) on the same logits: vocabularies of
 // 1,000 and Qwen3's 151,936, peaked and flat rows, every filter alone and together, draws across
 // [0, 1). Exact token equality: the GPU sums the kept mass in f64 in another order, which moves a

@@ -124,7 +124,8 @@ class CpuBackend final : public Backend {
       else
         std::copy_n(k_new + t * kv_stride, row, k.data());
       rope(k.data(), 1, n_head_kv, head_dim, positions + t, rope_table);
-      const int64_t r = kv_pool_row(kv.block_table, kv.block_size_log2, positions[t]);
+      const int64_t r =
+          kv_pool_row(kv_token_table(kv.block_table, kv.seq_rows, kv.table_stride, t), kv.block_size_log2, positions[t]);
       store_kv_row(kv.k, kv.dtype, r, k.data(), row);
       store_kv_row(kv.v, kv.dtype, r, v_new + t * kv_stride, row);
     }
@@ -179,7 +180,8 @@ class CpuBackend final : public Backend {
           const int64_t kvh = h / group, n_ctx = int64_t(positions[t]) + 1;
           NIBBLE_ASSERT(n_ctx <= max_context);
           const float* qh = q + (t * n_head + h) * head_dim;
-          auto pool_row = [&](int64_t j) { return kv_pool_row(kv.block_table, kv.block_size_log2, j); };
+          const int32_t* table = kv_token_table(kv.block_table, kv.seq_rows, kv.table_stride, t);
+          auto pool_row = [&](int64_t j) { return kv_pool_row(table, kv.block_size_log2, j); };
           float max_score = -INFINITY;
           for (int64_t j = 0; j < n_ctx; ++j) {
             const float* kj = load_kv(kv.k, kv.dtype, pool_row(j), row, kvh * head_dim, head_dim, scratch.data());

@@ -381,10 +381,13 @@ class CudaBackend final : public Backend {
       // partials): every (token, kv head, split) is a block, so a long prompt fills the GPU. The
       // fallback for shapes the flash-attention kernel does not take.
       Buffer partial(*this, size_t(cuda::attention_partial_floats(chunk, max_context, n_head, head_dim)) * 4);
-      for (int64_t t0 = 0; t0 < m; t0 += chunk)
-        cuda::attention_decode(q + t0 * n_head * head_dim, kv, partial.data(), out + t0 * n_head * head_dim, counters,
+      for (int64_t t0 = 0; t0 < m; t0 += chunk) {
+        KvPages pages = kv;
+        if (pages.seq_rows) pages.seq_rows += t0;
+        cuda::attention_decode(q + t0 * n_head * head_dim, pages, partial.data(), out + t0 * n_head * head_dim, counters,
                                std::min(chunk, m - t0), positions + t0, max_context, n_head, n_head_kv, head_dim,
                                scale);
+      }
     } else {
       cuda::attention(q, kv, out, m, positions, n_head, n_head_kv, head_dim, scale);
     }

@@ -12,7 +12,9 @@ namespace nibble::cuda {
 bool flash_attention(const float* q, const KvPages& kv, float* out, int64_t m, const int32_t* positions,
                      int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (!flash_attention_supports(n_head, n_head_kv, head_dim) || !aligned(q) || !aligned(kv.k) || !aligned(kv.v) ||
+  // One sequence per launch: a tile's queries share the K/V tiles they stage (several sequences
+  // in a step run their prompt chunks one launch each).
+  if (kv.seq_rows || !flash_attention_supports(n_head, n_head_kv, head_dim) || !aligned(q) || !aligned(kv.k) || !aligned(kv.v) ||
       !aligned(out))
     return false;
   if (m == 0) return true;

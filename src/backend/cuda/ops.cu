@@ -319,7 +319,7 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
     const float scale_log2 = scale * 1.4426950408889634f;
     auto launch = [&](auto HD, auto SPLIT, auto WARPS, auto ROWS) {
       launch_pdl(kernels::attention_decode_tc_kernel<HD.value, SPLIT.value, WARPS.value, ROWS.value>, grid,
-                 32 * WARPS.value, q, k, v, kv.block_table, kv.block_size_log2, partial, out, counters, positions,
+                 32 * WARPS.value, q, k, v, kv.block_table, kv.seq_rows, kv.table_stride, kv.block_size_log2, partial, out, counters, positions,
                  n_head, n_head_kv, scale_log2, n_splits);
     };
     auto with_rows = [&](auto HD, auto SPLIT) {
@@ -348,7 +348,7 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
   auto go = [&](auto G, auto HD) {
     auto launch = [&](auto SPLIT) {
       launch_pdl(kernels::attention_decode_kernel<G.value, HD.value, SPLIT.value>, grid, kernels::kDecodeThreads, q, k,
-                 v, kv.block_table, kv.block_size_log2, partial, out, counters, positions, n_head, n_head_kv, scale,
+                 v, kv.block_table, kv.seq_rows, kv.table_stride, kv.block_size_log2, partial, out, counters, positions, n_head, n_head_kv, scale,
                  n_splits);
     };
     if (split == kernels::kDecodeSplitLong)
@@ -402,7 +402,7 @@ void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, co
     using T = decltype(element);
     launch_pdl(kernels::qk_norm_rope_kv_write_kernel<T>, grid, 32 * kWarps, q_in, q_out, q_stride, k_new, v_new,
                kv_stride, q_norm, k_norm, eps, inv_freq, attention_factor, positions, n_head, n_head_kv, head_dim,
-               static_cast<T*>(kv.k), static_cast<T*>(kv.v), kv.block_table, kv.block_size_log2);
+               static_cast<T*>(kv.k), static_cast<T*>(kv.v), kv.block_table, kv.seq_rows, kv.table_stride, kv.block_size_log2);
   });
 }
 
@@ -413,7 +413,7 @@ void attention(const float* q, const KvPages& kv, float* out, int64_t m, const i
   kernels::with_kv_element(kv.dtype, [&](auto element) {
     using T = decltype(element);
     kernels::attention_online_warp_kernel<T><<<blocks_for(m * n_head, kWarps), 32 * kWarps>>>(
-        q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v), kv.block_table, kv.block_size_log2, out, m,
+        q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v), kv.block_table, kv.seq_rows, kv.table_stride, kv.block_size_log2, out, m,
         positions, n_head, n_head_kv, head_dim, scale);
   });
 }

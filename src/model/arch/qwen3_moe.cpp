@@ -75,7 +75,7 @@ class Qwen3Moe final : public Model {
     return bytes;
   }
 
-  void compute(const Step& step, KvCache& kv) override {
+  void compute(const Step& step) override {
     const auto& c = config_;
     Backend& be = backend_;
     const int64_t T = step.n_tokens, H = c.hidden_size, hd = c.head_dim;
@@ -98,7 +98,7 @@ class Qwen3Moe final : public Model {
         be.rms_norm_linear(x.data(), l.input_norm, eps, l.qkv, T, qkv.data());
         const float* row = qkv.data();
         be.qk_norm_rope_kv_write(row, q.data(), nq + 2 * nk, row + nq, row + nq + nk, nq + 2 * nk, l.q_norm,
-                                 l.k_norm, eps, rope_, step.positions, T, nh, nkv, hd, kv.layer(i));
+                                 l.k_norm, eps, rope_, step.positions, T, nh, nkv, hd, step.kv_layer(i));
       } else {
         Buffer normed = floats(T * H);
         be.rms_norm(x.data(), l.input_norm, T, H, eps, normed.data());
@@ -108,11 +108,10 @@ class Qwen3Moe final : public Model {
         be.linear(l.k, normed.data(), T, k_new);
         be.linear(l.v, normed.data(), T, v_new);
         be.qk_norm_rope_kv_write(q.data(), q.data(), nq, k_new, v_new, nk, l.q_norm, l.k_norm, eps, rope_,
-                                 step.positions, T, nh, nkv, hd, kv.layer(i));
+                                 step.positions, T, nh, nkv, hd, step.kv_layer(i));
       }
       trace(name + ".q", q.data(), T, nh * hd);
-      be.attention(q.data(), kv.layer(i), T, step.positions, step.max_context, nh, nkv, hd,
-                   1.f / std::sqrt(float(hd)), attn.data());
+      attend(step, i, q.data(), nh, nkv, hd, 1.f / std::sqrt(float(hd)), attn.data());
       be.linear_add(l.o, attn.data(), T, x.data());
       trace(name + ".attn_residual", x.data(), T, H);
       if (l.is_moe) {
@@ -128,8 +127,7 @@ class Qwen3Moe final : public Model {
       }
       trace(name + ".out", x.data(), T, H);
     }
-    const int64_t first = step.all_logits ? 0 : T - 1, rows = T - first;
-    be.rms_norm_linear(x.data() + first * H, w_.final_norm, eps, w_.lm_head, rows, step.logits);
+    const int64_t rows = project_logits(step, x.data(), w_.final_norm, eps, w_.lm_head);
     trace("logits", step.logits, rows, c.vocab_size);
   }
 
