@@ -44,6 +44,9 @@ class Backend {
   virtual void free(void* ptr) = 0;
   virtual void copy_to_backend(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  // The device's free and total memory in bytes (for sizing a KV pool by a fraction of it);
+  // false where the backend's memory is the host's.
+  virtual bool memory_info(size_t* free_bytes, size_t* total_bytes) { return false; }
   // Weights as this backend computes with them (the CPU keeps the host views as they are).
   virtual LinearWeight upload(const LinearWeight& host) = 0;
   virtual WeightVector upload(const WeightVector& host) = 0;

@@ -60,6 +60,15 @@ void add_serve_command(CLI::App& app) {
                   "Split <think> blocks into reasoning_content: auto (when the chat template uses them), qwen3, none");
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16) or float32");
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
+  cmd->add_option("--gpu-memory-utilization", o->gpu_memory_utilization,
+                  "Fraction of GPU memory nibble may use; the KV cache gets what the weights and activations leave "
+                  "(default 0.9)");
+  cmd->add_option("--kv-cache-memory-bytes", o->kv_cache_memory_bytes,
+                  "KV cache size in bytes (overrides --gpu-memory-utilization; CPU default 4 GiB)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--block-size", o->block_size, "Positions per KV cache block, a power of two (default 16)");
+  cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o->enable_prefix_caching,
+                "Reuse the KV blocks of earlier requests' prompt prefixes (default on)");
   cmd->callback([o, positional] { serve(*o, *positional); });
 }
 

@@ -23,12 +23,11 @@ GenerateRequest validated(const Model& model, GenerateRequest req) {
 }
 }  // namespace
 
-Generation::Generation(Model& model, const Tokenizer& tokenizer, GenerateRequest request)
-    : model_(model),
-      req_(validated(model, std::move(request))),
+Sequence::Sequence(const Model& model, const Tokenizer& tokenizer, GenerateRequest request)
+    : req_(validated(model, std::move(request))),
       n_prompt_(int64_t(req_.prompt.size())),
       budget_(std::min(req_.max_new_tokens, req_.max_context - n_prompt_)),
-      kv_(model.make_kv_cache(n_prompt_ + budget_)),
+      tokens_(req_.prompt),
       sampler_(req_.sampling, req_.prompt),
       detok_(tokenizer) {
   result_.finish_reason = "length";
@@ -39,58 +38,27 @@ Generation::Generation(Model& model, const Tokenizer& tokenizer, GenerateRequest
   if (budget_ == 0) done_ = true;
 }
 
-// The cache dies with the generation; so do the decode steps recorded for it.
-Generation::~Generation() { model_.release_graphs(kv_); }
-
-void Generation::forward(std::span<const int32_t> tokens, int64_t pos0) {
-  if (!on_device_)
-    model_.forward(tokens, pos0, kv_, false, logits_);
-  else if (sampler_.temperature() == 0.f)
-    device_id_ = model_.forward_greedy(tokens, pos0, kv_);
-  else
-    device_id_ = model_.forward_sample(tokens, pos0, kv_, sampler_.next_device_inputs());
+BatchEntry::Output Sequence::pick() const {
+  using Output = BatchEntry::Output;
+  if (!on_device_) return Output::kLogits;
+  return sampler_.temperature() == 0.f ? Output::kGreedy : Output::kSample;
 }
 
-void Generation::step(const std::function<void(const GeneratedToken&, std::string_view)>& on_token,
-                      int64_t max_prefill_tokens) {
-  using Clock = std::chrono::steady_clock;
+void Sequence::accept(int32_t device_token, std::span<const float> logits, const TokenCallback& on_token) {
   if (done_) return;
-  const auto t0 = Clock::now();
-  if (prefilled_ < n_prompt_) {
-    const int64_t chunk = std::min(std::max<int64_t>(1, max_prefill_tokens), n_prompt_ - prefilled_);
-    const std::span<const int32_t> tokens(req_.prompt.data() + prefilled_, size_t(chunk));
-    if (prefilled_ + chunk < n_prompt_) {
-      model_.forward(tokens, prefilled_, kv_, false, logits_);  // not the last chunk: nothing to pick yet
-      prefilled_ += chunk;
-      result_.prefill_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-      return;
-    }
-    forward(tokens, prefilled_);
-    prefilled_ = n_prompt_;
-    result_.prefill_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-  } else {
-    const int32_t last = result_.ids.back();
-    forward({&last, 1}, n_prompt_ + int64_t(result_.ids.size()) - 1);
-  }
-  emit(on_token);
-  if (!done_ && int64_t(result_.ids.size()) >= budget_) finish_length(on_token);
-  if (result_.ids.size() > 1)
-    result_.decode_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-void Generation::emit(const std::function<void(const GeneratedToken&, std::string_view)>& on_token) {
   GeneratedToken tok;
   if (on_device_) {
-    tok.id = device_id_;
+    tok.id = device_token;
     sampler_.record(tok.id);
   } else {
-    tok.id = sampler_.sample(logits_);
+    tok.id = sampler_.sample(logits);
   }
   if (req_.top_logprobs >= 0) {
-    tok.logprob = Sampler::logprob_of(logits_, tok.id);
-    tok.top = Sampler::top_logprobs(logits_, req_.top_logprobs);
+    tok.logprob = Sampler::logprob_of(logits, tok.id);
+    tok.top = Sampler::top_logprobs(logits, req_.top_logprobs);
   }
   result_.ids.push_back(tok.id);
+  tokens_.push_back(tok.id);
   if (std::find(req_.stop_ids.begin(), req_.stop_ids.end(), tok.id) != req_.stop_ids.end()) {
     result_.finish_reason = "stop";
     done_ = true;
@@ -119,9 +87,10 @@ void Generation::emit(const std::function<void(const GeneratedToken&, std::strin
   result_.text += shown;
   pending_.erase(0, show);
   on_token(tok, shown);
+  if (int64_t(result_.ids.size()) >= budget_) finish_length(on_token);
 }
 
-void Generation::finish_length(const std::function<void(const GeneratedToken&, std::string_view)>& on_token) {
+void Sequence::finish_length(const TokenCallback& on_token) {
   done_ = true;
   pending_ += detok_.flush();
   result_.text += pending_;
@@ -130,6 +99,51 @@ void Generation::finish_length(const std::function<void(const GeneratedToken&, s
   std::string shown = std::move(pending_);
   pending_.clear();
   if (!shown.empty()) on_token(none, shown);
+}
+
+Generation::Generation(Model& model, const Tokenizer& tokenizer, GenerateRequest request)
+    : model_(model), seq_(model, tokenizer, std::move(request)), kv_(model.make_kv_cache(seq_.max_tokens())) {}
+
+// The cache dies with the generation; so do the decode steps recorded for it.
+Generation::~Generation() { model_.release_graphs(kv_); }
+
+void Generation::step(const TokenCallback& on_token, int64_t max_prefill_tokens) {
+  using Clock = std::chrono::steady_clock;
+  using Output = BatchEntry::Output;
+  if (seq_.done()) return;
+  const auto t0 = Clock::now();
+  const int64_t n_prompt = seq_.n_prompt();
+  const bool prefill = prefilled_ < n_prompt;
+  std::span<const int32_t> tokens;
+  int64_t pos0 = 0;
+  if (prefill) {
+    const int64_t chunk = std::min(std::max<int64_t>(1, max_prefill_tokens), n_prompt - prefilled_);
+    tokens = std::span<const int32_t>(seq_.tokens()).subspan(size_t(prefilled_), size_t(chunk));
+    pos0 = prefilled_;
+    prefilled_ += chunk;
+    if (prefilled_ < n_prompt) {
+      model_.forward(tokens, pos0, kv_, false, logits_);  // not the last chunk: nothing to pick yet
+      seq_.result().prefill_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+      return;
+    }
+  } else {
+    tokens = std::span<const int32_t>(seq_.tokens()).last(1);
+    pos0 = int64_t(seq_.tokens().size()) - 1;
+  }
+  int32_t id = -1;
+  switch (seq_.pick()) {
+    case Output::kGreedy:
+      id = model_.forward_greedy(tokens, pos0, kv_);
+      break;
+    case Output::kSample:
+      id = model_.forward_sample(tokens, pos0, kv_, seq_.next_sample_inputs());
+      break;
+    default:
+      model_.forward(tokens, pos0, kv_, false, logits_);
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  (prefill ? seq_.result().prefill_seconds : seq_.result().decode_seconds) += seconds;
+  seq_.accept(id, logits_, on_token);
 }
 
 GenerateResult generate(Model& model, const Tokenizer& tokenizer, const GenerateRequest& req,

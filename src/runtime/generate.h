@@ -38,6 +38,7 @@ struct GenerateResult {
   std::string text;
   std::string finish_reason;  // "stop" (EOS id or stop string) or "length"
   double prefill_seconds = 0, decode_seconds = 0;
+  int64_t cached_tokens = 0;  // prompt tokens whose KV came from the prefix cache (a server's)
 };
 
 // on_token gets each generated token and the text it makes visible (possibly empty while a UTF-8
@@ -45,10 +46,48 @@ struct GenerateResult {
 // generation comes last with a token whose id is -1.
 using TokenCallback = std::function<void(const GeneratedToken&, std::string_view text)>;
 
-// One sequence's generation, advanced a step at a time so that a scheduler can interleave
-// several (a server's engine): a step runs a chunk of the prompt (the last chunk also picks the
-// first token) or one decode token. Owns the sequence's KV cache; the decode steps recorded for
-// it are released with it.
+// A sequence's tokens and their meaning, without its KV memory: the prompt and the tokens
+// generated so far, how the next token is picked (on the device, greedy or drawn, or from a row of
+// logits on the host when penalties or logprobs need them), and what a new token does (the text
+// it shows, EOS ids, stop strings, the token limit). Generation below runs one with its own
+// KvCache; a server's engine runs many over a shared KvPool.
+class Sequence {
+ public:
+  // Validates the request (throws nibble::Error naming what is wrong).
+  Sequence(const Model& model, const Tokenizer& tokenizer, GenerateRequest request);
+
+  // The prompt, then every generated token.
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  int64_t n_prompt() const { return n_prompt_; }
+  // The most positions it can need (prompt plus its token budget).
+  int64_t max_tokens() const { return n_prompt_ + budget_; }
+  bool done() const { return done_; }
+  // How the step that ends at the last token must pick the next one (kGreedy, kSample or kLogits).
+  BatchEntry::Output pick() const;
+  // kSample: the draw's inputs (advances the request's generator).
+  SampleInputs next_sample_inputs() { return sampler_.next_device_inputs(); }
+  // The step's result for the last token: the token the device picked, or (kLogits) its logits.
+  void accept(int32_t device_token, std::span<const float> logits, const TokenCallback& on_token);
+  const GenerateResult& result() const { return result_; }
+  GenerateResult& result() { return result_; }
+  const GenerateRequest& request() const { return req_; }
+
+ private:
+  void finish_length(const TokenCallback& on_token);
+
+  GenerateRequest req_;
+  int64_t n_prompt_ = 0, budget_ = 0;
+  std::vector<int32_t> tokens_;
+  Sampler sampler_;
+  StreamDecoder detok_;
+  GenerateResult result_;
+  std::string pending_;  // decoded text not yet passed to on_token
+  bool on_device_ = false, done_ = false;
+};
+
+// One sequence's generation over its own KV cache, advanced a step at a time: a step runs a
+// chunk of the prompt (the last chunk also picks the first token) or one decode token. The decode
+// steps recorded for its cache are released with it.
 class Generation {
  public:
   // Validates the request (throws nibble::Error naming what is wrong) and allocates the cache.
@@ -57,31 +96,20 @@ class Generation {
   Generation(const Generation&) = delete;
   Generation& operator=(const Generation&) = delete;
 
-  bool done() const { return done_; }
+  bool done() const { return seq_.done(); }
   // Prompt tokens not yet run (0 once decoding).
-  int64_t prompt_remaining() const { return n_prompt_ - prefilled_; }
-  // One step; max_prefill_tokens bounds a prompt chunk (chunked prefill). on_token as below.
-  void step(const std::function<void(const GeneratedToken&, std::string_view)>& on_token,
-            int64_t max_prefill_tokens = INT64_MAX);
-  const GenerateResult& result() const { return result_; }
-  const GenerateRequest& request() const { return req_; }
+  int64_t prompt_remaining() const { return seq_.n_prompt() - prefilled_; }
+  // One step; max_prefill_tokens bounds a prompt chunk (chunked prefill).
+  void step(const TokenCallback& on_token, int64_t max_prefill_tokens = INT64_MAX);
+  const GenerateResult& result() const { return seq_.result(); }
+  const GenerateRequest& request() const { return seq_.request(); }
 
  private:
-  void forward(std::span<const int32_t> tokens, int64_t pos0);
-  void emit(const std::function<void(const GeneratedToken&, std::string_view)>& on_token);
-  void finish_length(const std::function<void(const GeneratedToken&, std::string_view)>& on_token);
-
   Model& model_;
-  GenerateRequest req_;
-  int64_t n_prompt_ = 0, budget_ = 0, prefilled_ = 0;
+  Sequence seq_;
+  int64_t prefilled_ = 0;
   KvCache kv_;
-  Sampler sampler_;
-  StreamDecoder detok_;
-  GenerateResult result_;
-  std::string pending_;  // decoded text not yet passed to on_token
-  bool on_device_ = false, done_ = false;
   std::vector<float> logits_;
-  int32_t device_id_ = -1;
 };
 
 // Sampling as vLLM sets it: each parameter the request gives, else the model's

@@ -1,5 +1,7 @@
 #include "server/engine.h"
 
+#include <algorithm>
+
 #include "core/status.h"
 
 namespace nibble {
@@ -23,6 +25,20 @@ Engine::Engine(Model& model, const Tokenizer& tokenizer, EngineOptions options)
     : model_(model), tokenizer_(tokenizer), options_(options) {
   NIBBLE_CHECK(options_.max_num_seqs >= 1, "--max-num-seqs must be at least 1");
   NIBBLE_CHECK(options_.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be at least 1");
+  NIBBLE_CHECK(options_.max_model_len >= 2, "--max-model-len {} is too small", options_.max_model_len);
+  const int64_t block = int64_t(1) << options_.block_size_log2;
+  const int64_t per_seq = (options_.max_model_len + block - 1) / block;
+  if (options_.kv_blocks == 0) options_.kv_blocks = per_seq * options_.max_num_seqs + 1;
+  // As vLLM: one sequence of max_model_len must fit, or a long request could never run.
+  NIBBLE_CHECK(options_.kv_blocks - 1 >= per_seq,
+               "the KV cache holds {} blocks of {} positions ({} tokens), less than one sequence of "
+               "--max-model-len {} needs ({} blocks): give the cache more memory (--gpu-memory-utilization or "
+               "--kv-cache-memory-bytes) or lower --max-model-len",
+               options_.kv_blocks - 1, block, (options_.kv_blocks - 1) * block, options_.max_model_len, per_seq);
+  pool_ = model_.make_kv_pool(options_.kv_blocks, options_.block_size_log2, options_.max_num_seqs, per_seq);
+  blocks_ = std::make_unique<BlockPool>(options_.kv_blocks, block, options_.prefix_caching);
+  stats_.kv_blocks = blocks_->n_blocks();
+  stats_.block_size = block;
   worker_ = std::thread([this] { loop(); });
 }
 
@@ -33,6 +49,7 @@ Engine::~Engine() {
   }
   cv_.notify_all();
   worker_.join();
+  model_.release_graphs(*pool_);
 }
 
 std::shared_ptr<EngineJob> Engine::submit(GenerateRequest request) {
@@ -51,25 +68,53 @@ EngineStats Engine::stats() {
   return stats_;
 }
 
-namespace {
-struct Running {
+// A sequence the engine has taken from the queue: its tokens and sampling (Sequence), its KV
+// blocks and table row while running, and how far its KV goes.
+struct Engine::Running {
   std::shared_ptr<EngineJob> job;
-  std::unique_ptr<Generation> gen;
+  std::unique_ptr<Sequence> seq;
+  std::vector<int32_t> blocks;
+  int64_t row = -1;
+  int64_t computed = 0;    // positions whose K/V are in the blocks
+  int64_t registered = 0;  // full blocks offered to the prefix cache
   int64_t generated = 0;
+  bool admitted_once = false;
+  std::chrono::steady_clock::time_point started;
 };
-}  // namespace
 
 void Engine::loop() {
-  std::vector<Running> running;
+  using Output = BatchEntry::Output;
+  using Clock = std::chrono::steady_clock;
+  const int64_t block = blocks_->block_size();
+  std::vector<std::unique_ptr<Running>> running;   // in admission order
+  std::deque<std::unique_ptr<Running>> preempted;  // wait ahead of the queue, oldest first
+  std::vector<int64_t> free_rows;
+  for (int64_t r = options_.max_num_seqs; r-- > 0;) free_rows.push_back(r);
+
+  auto release = [&](Running& r) {
+    blocks_->release(r.blocks);
+    r.blocks.clear();
+    r.computed = r.registered = 0;
+    if (r.row >= 0) free_rows.push_back(r.row);
+    r.row = -1;
+  };
+  auto publish = [&] {
+    std::lock_guard lock(mu_);
+    stats_.running = int64_t(running.size());
+    stats_.kv_blocks_used = blocks_->n_used();
+    stats_.prefix_queried_tokens = blocks_->queried_tokens();
+    stats_.prefix_hit_tokens = blocks_->hit_tokens();
+  };
   auto finish = [&](Running& r, EngineEvent end) {
+    release(r);  // the blocks go back before the client hears of the end
     {
       std::lock_guard lock(mu_);
       stats_.prompt_tokens += int64_t(r.job->request.prompt.size());
       stats_.generation_tokens += r.generated;
       (r.job->cancelled ? stats_.cancelled : stats_.finished) += 1;
     }
-    r.gen.reset();  // frees the KV cache before the client hears of the end
     r.job->push(std::move(end));
+    r.job.reset();
   };
   auto error_event = [](std::string text) {
     EngineEvent e;
@@ -77,94 +122,188 @@ void Engine::loop() {
     e.text = std::move(text);
     return e;
   };
+  // Blocks for positions up to `end` (exclusive); false when the pool has too few free.
+  auto ensure_blocks = [&](Running& r, int64_t end) {
+    const int64_t need = (end + block - 1) / block - int64_t(r.blocks.size());
+    if (need > 0 && !blocks_->allocate(need, r.blocks)) return false;
+    pool_->set_row(r.row, r.blocks);
+    return true;
+  };
+  auto preempt = [&](std::unique_ptr<Running> victim) {
+    release(*victim);
+    preempted.push_front(std::move(victim));
+    std::lock_guard lock(mu_);
+    ++stats_.preemptions;
+    ++stats_.waiting;
+  };
+
   while (true) {
-    // Admit queued jobs while there is room.
-    std::vector<std::shared_ptr<EngineJob>> admitted;
     {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !running.empty(); });
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !running.empty() || !preempted.empty(); });
       if (stopping_) return;
-      while (int64_t(running.size() + admitted.size()) < options_.max_num_seqs && !queue_.empty()) {
-        admitted.push_back(queue_.front());
+    }
+    // Cancelled sequences leave first: their blocks are free for this step.
+    for (auto& r : running)
+      if (r->job->cancelled) finish(*r, error_event("cancelled"));
+    std::erase_if(running, [](const auto& r) { return !r->job; });
+
+    // 1. The running sequences, oldest first: a token each (or a prompt chunk).
+    struct Scheduled {
+      Running* r;
+      int64_t n;
+    };
+    std::vector<Scheduled> batch;
+    int64_t budget = options_.max_num_batched_tokens;
+    bool preempted_now = false;
+    for (size_t i = 0; i < running.size() && budget > 0; ++i) {
+      Running& r = *running[i];
+      const int64_t n = std::min(budget, int64_t(r.seq->tokens().size()) - r.computed);
+      bool fits = ensure_blocks(r, r.computed + n);
+      while (!fits && running.size() - 1 > i) {  // preempt the latest admitted
+        preempt(std::move(running.back()));
+        running.pop_back();
+        preempted_now = true;
+        fits = ensure_blocks(r, r.computed + n);
+      }
+      if (!fits) {  // r is the latest itself: it waits
+        preempt(std::move(running[i]));
+        running.pop_back();
+        preempted_now = true;
+        break;
+      }
+      batch.push_back({&r, n});
+      budget -= n;
+    }
+    // 2. Waiting sequences (preempted ones first) while there is room, none was preempted in this
+    // step and their blocks can be had.
+    while (!preempted_now && budget > 0 && int64_t(running.size()) < options_.max_num_seqs) {
+      std::unique_ptr<Running> r;
+      if (!preempted.empty()) {
+        r = std::move(preempted.front());
+        preempted.pop_front();
+      } else {
+        std::lock_guard lock(mu_);
+        if (queue_.empty()) break;
+        r = std::make_unique<Running>();
+        r->job = queue_.front();
         queue_.pop_front();
+      }
+      {
+        std::lock_guard lock(mu_);
         --stats_.waiting;
       }
-    }
-    for (size_t i = 0; i < admitted.size(); ++i) {
-      Running r{admitted[i], nullptr, 0};
-      if (r.job->cancelled) {
-        finish(r, error_event("cancelled"));
+      if (r->job->cancelled) {
+        finish(*r, error_event("cancelled"));
         continue;
       }
-      try {
-        r.gen = std::make_unique<Generation>(model_, tokenizer_, r.job->request);
-        running.push_back(std::move(r));
-      } catch (const std::exception& e) {
-        if (!running.empty()) {  // likely out of KV memory: wait for a running sequence to end
-          std::lock_guard lock(mu_);
-          for (size_t j = admitted.size(); j-- > i;) {
-            queue_.push_front(admitted[j]);
-            ++stats_.waiting;
-          }
-          break;
+      if (!r->seq) {
+        try {
+          r->seq = std::make_unique<Sequence>(model_, tokenizer_, r->job->request);
+          r->started = Clock::now();
+        } catch (const std::exception& e) {
+          finish(*r, error_event(e.what()));
+          continue;
         }
-        finish(r, error_event(e.what()));
+        if (r->seq->done()) {  // nothing to generate (max_tokens 0)
+          EngineEvent end;
+          end.kind = EngineEvent::kDone;
+          end.result = r->seq->result();
+          finish(*r, std::move(end));
+          continue;
+        }
       }
+      // The prefix cache: whole blocks, leaving at least the last token to compute (its logits).
+      const auto& tokens = r->seq->tokens();
+      r->blocks = blocks_->take_cached_prefix(tokens, int64_t(tokens.size()) - 1);
+      r->computed = r->registered = int64_t(r->blocks.size()) * block;
+      if (!r->admitted_once) r->seq->result().cached_tokens = r->computed;
+      r->row = free_rows.back();
+      free_rows.pop_back();
+      const int64_t n = std::min(budget, int64_t(tokens.size()) - r->computed);
+      if (!ensure_blocks(*r, r->computed + n)) {  // no room yet: back to the head of the line
+        release(*r);
+        {
+          std::lock_guard lock(mu_);
+          ++stats_.waiting;
+        }
+        preempted.push_front(std::move(r));
+        break;
+      }
+      r->admitted_once = true;
+      batch.push_back({r.get(), n});
+      budget -= n;
+      running.push_back(std::move(r));
     }
+    publish();
+    if (batch.empty()) {
+      // Nothing could run: only possible while waiting for a cancelled job's turn to be seen.
+      std::unique_lock lock(mu_);
+      cv_.wait_for(lock, std::chrono::milliseconds(5));
+      continue;
+    }
+
+    // 3. One forward over the batch.
+    std::vector<BatchEntry> entries;
+    for (const Scheduled& s : batch) {
+      Running& r = *s.r;
+      BatchEntry e;
+      e.tokens = std::span<const int32_t>(r.seq->tokens()).subspan(size_t(r.computed), size_t(s.n));
+      e.pos0 = r.computed;
+      e.row = r.row;
+      const bool last = r.computed + s.n == int64_t(r.seq->tokens().size());
+      e.output = last ? r.seq->pick() : Output::kNone;
+      if (e.output == Output::kSample) e.sample = r.seq->next_sample_inputs();
+      entries.push_back(e);
+    }
+    BatchOutput out;
+    const auto t0 = Clock::now();
+    try {
+      model_.forward_batch(entries, *pool_, out);
+    } catch (const std::exception& e) {
+      for (const Scheduled& s : batch) finish(*s.r, error_event(e.what()));
+      std::erase_if(running, [](const auto& r) { return !r->job; });
+      publish();
+      continue;
+    }
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     {
       std::lock_guard lock(mu_);
-      stats_.running = int64_t(running.size());
+      ++stats_.steps;
     }
-    // One engine step: a token for each decoding sequence, then prompt chunks with the rest of
-    // the token budget, oldest first.
-    int64_t budget = options_.max_num_batched_tokens;
-    auto step = [&](Running& r, int64_t max_prefill) {
-      try {
-        r.gen->step(
-            [&](const GeneratedToken& t, std::string_view text) {
-              if (t.id >= 0) ++r.generated;
-              EngineEvent e;
-              e.token = t;
-              e.text = std::string(text);
-              r.job->push(std::move(e));
-            },
-            max_prefill);
-      } catch (const std::exception& e) {
-        finish(r, error_event(e.what()));
+
+    // 4. Results: new tokens to the clients, full blocks to the prefix cache.
+    size_t logits_at = 0;
+    const int64_t vocab = model_.config().vocab_size;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      Running& r = *batch[i].r;
+      const bool prefill = r.computed < r.seq->n_prompt();
+      r.computed += batch[i].n;
+      for (; r.registered + block <= r.computed; r.registered += block)
+        blocks_->cache_full_block(r.blocks, r.registered / block, r.seq->tokens());
+      (prefill ? r.seq->result().prefill_seconds : r.seq->result().decode_seconds) += seconds;
+      if (entries[i].output == Output::kNone) continue;
+      std::span<const float> logits;
+      if (entries[i].output == Output::kLogits) {
+        logits = std::span<const float>(out.logits).subspan(logits_at, size_t(vocab));
+        logits_at += size_t(vocab);
       }
-    };
-    for (Running& r : running)
-      if (r.gen && r.gen->prompt_remaining() == 0 && !r.gen->done()) {
-        if (r.job->cancelled) {
-          finish(r, error_event("cancelled"));
-          continue;
-        }
-        step(r, 0);
-        --budget;
-      }
-    for (Running& r : running)
-      if (r.gen && r.gen->prompt_remaining() > 0) {
-        if (r.job->cancelled) {
-          finish(r, error_event("cancelled"));
-          continue;
-        }
-        if (budget <= 0) break;
-        const int64_t chunk = std::min(budget, r.gen->prompt_remaining());
-        step(r, chunk);
-        budget -= chunk;
-      }
-    for (Running& r : running)
-      if (r.gen && r.gen->done()) {
+      r.seq->accept(out.tokens[i], logits, [&](const GeneratedToken& t, std::string_view text) {
+        if (t.id >= 0) ++r.generated;
+        EngineEvent e;
+        e.token = t;
+        e.text = std::string(text);
+        r.job->push(std::move(e));
+      });
+      if (r.seq->done()) {
         EngineEvent end;
         end.kind = EngineEvent::kDone;
-        end.result = r.gen->result();
+        end.result = r.seq->result();
         finish(r, std::move(end));
       }
-    std::erase_if(running, [](const Running& r) { return !r.gen; });
-    {
-      std::lock_guard lock(mu_);
-      stats_.running = int64_t(running.size());
     }
+    std::erase_if(running, [](const auto& r) { return !r->job; });
+    publish();
   }
 }
 

@@ -1,14 +1,18 @@
-// The serving engine: one worker thread owns the model and runs the generations; HTTP threads
+// The serving engine: one worker thread owns the model and runs the sequences; HTTP threads
 // submit jobs and read their events (tokens, then done or an error). A job whose client went
-// away is cancelled: skipped if still queued, stopped at its next step if running, its KV cache
-// freed at once.
+// away is cancelled: skipped if still queued, dropped before the next step if running, its KV
+// blocks returned to the pool at once.
 //
-// Scheduling follows vLLM v1's rule: up to max_num_seqs sequences run at once; each engine step
-// gives every decoding sequence one token, then spends what is left of max_num_batched_tokens on
-// prompt chunks of the others in arrival order (chunked prefill), so a new request starts while
-// long ones are still generating. A sequence whose KV cache cannot be allocated waits until a
-// running one finishes. The model still runs the sequences of a step one after the other: a
-// batched forward over them is the next step.
+// Scheduling follows vLLM v1: up to max_num_seqs sequences run at once; each step spends at most
+// max_num_batched_tokens tokens, first on the running sequences in arrival order (a decoding one
+// takes one token, one still in its prompt a chunk of it), then on admitting waiting requests
+// (chunked prefill). All of a step's sequences go through the model as one batch
+// (Model::forward_batch), so the weights are read once per step, not once per sequence.
+// KV memory is one paged pool (KvPool) handed out in blocks (BlockPool): a new request first
+// takes the cached blocks that already hold its prompt's prefix (prefix caching), and when a
+// running sequence needs a block and none is free, the latest-admitted sequence is preempted: its
+// blocks go back to the pool and it waits at the head of the queue to be recomputed (its blocks
+// often still cached), its output so far kept.
 #pragma once
 
 #include <atomic>
@@ -21,7 +25,9 @@
 #include <thread>
 
 #include "model/model.h"
+#include "runtime/block_pool.h"
 #include "runtime/generate.h"
+#include "runtime/kv_pool.h"
 #include "tokenizer/tokenizer.h"
 
 namespace nibble {
@@ -55,11 +61,17 @@ class EngineJob {
 struct EngineStats {
   int64_t waiting = 0, running = 0;
   int64_t prompt_tokens = 0, generation_tokens = 0, cancelled = 0, finished = 0;
+  int64_t kv_blocks = 0, kv_blocks_used = 0, block_size = 0;
+  int64_t prefix_queried_tokens = 0, prefix_hit_tokens = 0, preemptions = 0, steps = 0;
 };
 
 struct EngineOptions {
   int64_t max_num_seqs = 8;               // sequences running at once
   int64_t max_num_batched_tokens = 2048;  // tokens per engine step (decode tokens + prompt chunks)
+  int64_t max_model_len = 4096;           // positions per sequence
+  int64_t kv_blocks = 0;                  // blocks in the pool (0: enough for every sequence at max_model_len)
+  int block_size_log2 = 4;                // 16 positions per block
+  bool prefix_caching = true;
 };
 
 class Engine {
@@ -70,6 +82,7 @@ class Engine {
   EngineStats stats();
 
  private:
+  struct Running;
   void loop();
   Model& model_;
   const Tokenizer& tokenizer_;
@@ -78,6 +91,8 @@ class Engine {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<EngineJob>> queue_;
   EngineStats stats_;
+  std::unique_ptr<KvPool> pool_;
+  std::unique_ptr<BlockPool> blocks_;
   bool stopping_ = false;
   std::thread worker_;
 };

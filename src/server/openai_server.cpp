@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <bit>
 #include <filesystem>
 #include <map>
 #include <random>
@@ -67,7 +68,7 @@ struct Choice {
   std::vector<GeneratedToken> tokens;
   std::unique_ptr<ReasoningParser> parser;
   std::string finish_reason;
-  int64_t completion_tokens = 0;
+  int64_t completion_tokens = 0, cached_tokens = 0;
   size_t text_offset = 0;  // streamed completions' logprobs
 };
 
@@ -116,7 +117,52 @@ struct OpenAiServer::Impl {
     }
     NIBBLE_CHECK(o.reasoning_parser == "auto" || o.reasoning_parser == "qwen3" || o.reasoning_parser == "none",
                  "--reasoning-parser {}: must be auto, qwen3 or none", o.reasoning_parser);
-    engine = std::make_unique<Engine>(*model, *tokenizer, EngineOptions{o.max_num_seqs, o.max_num_batched_tokens});
+    engine = std::make_unique<Engine>(*model, *tokenizer, engine_options());
+  }
+
+  // The KV pool's size, as vLLM sizes it: --kv-cache-memory-bytes, else on a GPU what
+  // --gpu-memory-utilization of its memory leaves after what is already used (the weights) and
+  // a reserve for a step's activations, else (CPU) 4 GiB. Never more blocks than 4x what
+  // max_num_seqs full-length sequences can use at once (the rest would only hold old prefixes).
+  EngineOptions engine_options() {
+    EngineOptions e;
+    e.max_num_seqs = o.max_num_seqs;
+    e.max_num_batched_tokens = o.max_num_batched_tokens;
+    e.max_model_len = max_model_len;
+    e.prefix_caching = o.enable_prefix_caching;
+    NIBBLE_CHECK(o.block_size >= 1 && o.block_size <= 1024 && std::has_single_bit(uint64_t(o.block_size)),
+                 "--block-size {}: must be a power of two from 1 to 1024", o.block_size);
+    e.block_size_log2 = std::countr_zero(uint64_t(o.block_size));
+    NIBBLE_CHECK(o.gpu_memory_utilization > 0 && o.gpu_memory_utilization <= 1,
+                 "--gpu-memory-utilization {}: must be in (0, 1]", o.gpu_memory_utilization);
+    NIBBLE_CHECK(o.kv_cache_memory_bytes >= 0, "--kv-cache-memory-bytes must not be negative");
+    const int64_t per_block = model->kv_bytes_per_block(e.block_size_log2);
+    const int64_t per_seq = (max_model_len + o.block_size - 1) / o.block_size;
+    int64_t bytes = o.kv_cache_memory_bytes;
+    size_t free_bytes = 0, total_bytes = 0;
+    std::string how = "--kv-cache-memory-bytes";
+    if (bytes == 0 && backend->memory_info(&free_bytes, &total_bytes)) {
+      const ModelConfig& c = model->config();
+      const int64_t per_token_floats = 8 * c.hidden_size + 3 * (c.num_attention_heads + 2 * c.num_key_value_heads) *
+                                                               c.head_dim +
+                                       3 * std::max(c.num_experts_per_tok * c.moe_intermediate_size, c.intermediate_size);
+      const int64_t reserve = (int64_t(1) << 30) + 4 * o.max_num_batched_tokens * per_token_floats +
+                              8 * o.max_num_seqs * c.vocab_size;
+      bytes = int64_t(o.gpu_memory_utilization * double(total_bytes)) - int64_t(total_bytes - free_bytes) - reserve;
+      how = fmt::format("--gpu-memory-utilization {} of {:.1f} GiB, {:.1f} GiB in use, {:.1f} GiB kept for "
+                        "activations", o.gpu_memory_utilization, double(total_bytes) / (1 << 30),
+                        double(total_bytes - free_bytes) / (1 << 30), double(reserve) / (1 << 30));
+      NIBBLE_CHECK(bytes > 0, "no memory left for the KV cache ({}): raise --gpu-memory-utilization or set "
+                   "--kv-cache-memory-bytes", how);
+    } else if (bytes == 0) {
+      bytes = int64_t(4) << 30;
+      how = "the CPU default of 4 GiB";
+    }
+    e.kv_blocks = std::min(bytes / per_block, 4 * per_seq * o.max_num_seqs + 1);
+    fmt::print(stderr, "nibble serve: KV cache of {} blocks of {} positions ({} tokens, {:.2f} GiB; {})\n",
+               e.kv_blocks - 1, o.block_size, (e.kv_blocks - 1) * o.block_size,
+               double(e.kv_blocks * per_block) / (1 << 30), how);
+    return e;
   }
 
   void count(const std::string& endpoint, int status) {
@@ -157,6 +203,19 @@ struct OpenAiServer::Impl {
     gauge("nibble_generation_tokens_total", "Tokens generated", "counter", s.generation_tokens);
     gauge("nibble_request_success_total", "Generations finished", "counter", s.finished);
     gauge("nibble_request_cancelled_total", "Generations cancelled (client gone)", "counter", s.cancelled);
+    gauge("nibble_kv_cache_blocks_total", "KV cache blocks in the pool", "gauge", s.kv_blocks);
+    gauge("nibble_kv_cache_blocks_used", "KV cache blocks held by running sequences", "gauge", s.kv_blocks_used);
+    gauge("nibble_kv_cache_blocks_free", "KV cache blocks free (cached prefixes included)", "gauge",
+          s.kv_blocks - s.kv_blocks_used);
+    out += fmt::format("# HELP nibble_kv_cache_usage_perc Fraction of KV cache blocks in use\n"
+                       "# TYPE nibble_kv_cache_usage_perc gauge\nnibble_kv_cache_usage_perc {}\n",
+                       s.kv_blocks ? double(s.kv_blocks_used) / double(s.kv_blocks) : 0.0);
+    gauge("nibble_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", "counter",
+          s.prefix_queried_tokens);
+    gauge("nibble_prefix_cache_hits_total", "Prompt tokens found in the prefix cache", "counter", s.prefix_hit_tokens);
+    gauge("nibble_num_preemptions_total", "Sequences preempted (blocks ran out) to be recomputed", "counter",
+          s.preemptions);
+    gauge("nibble_engine_steps_total", "Batched forward steps run", "counter", s.steps);
     ttft.write(out, "nibble_time_to_first_token_seconds", "Time from request to first token");
     itl.write(out, "nibble_inter_token_latency_seconds", "Time between consecutive tokens");
     e2e.write(out, "nibble_e2e_request_latency_seconds", "Time from request to last token");
@@ -310,7 +369,7 @@ struct OpenAiServer::Impl {
     return {{"prompt_tokens", n_prompt},
             {"completion_tokens", completion},
             {"total_tokens", int64_t(n_prompt) + completion},
-            {"prompt_tokens_details", {{"cached_tokens", 0}}}};
+            {"prompt_tokens_details", {{"cached_tokens", choices.empty() ? 0 : choices[0].cached_tokens}}}};
   }
 
   int whole(HttpResponse& res, const ApiRequest& r, std::vector<Choice>& choices, const std::vector<int32_t>& prompt,
@@ -328,6 +387,7 @@ struct OpenAiServer::Impl {
         if (e->kind == EngineEvent::kDone) {
           c.finish_reason = e->result.finish_reason;
           c.completion_tokens = int64_t(e->result.ids.size());
+          c.cached_tokens = e->result.cached_tokens;
           break;
         }
         if (e->token.id >= 0) {
@@ -428,6 +488,7 @@ struct OpenAiServer::Impl {
         if (e->kind == EngineEvent::kDone) {
           c.finish_reason = e->result.finish_reason;
           c.completion_tokens = int64_t(e->result.ids.size());
+          c.cached_tokens = e->result.cached_tokens;
           if (c.parser) {
             auto d = c.parser->flush();
             content = d.content;

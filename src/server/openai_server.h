@@ -22,6 +22,12 @@ struct ServeOptions {
   std::string reasoning_parser = "auto";  // auto (on when the chat template writes </think>), qwen3, none
   std::string kv_cache_dtype = "auto";
   bool enforce_eager = false;
+  // KV cache size: kv_cache_memory_bytes when set, else (GPU) this fraction of the device's
+  // memory for everything nibble holds there, else (CPU) up to 4 GiB.
+  double gpu_memory_utilization = 0.9;
+  int64_t kv_cache_memory_bytes = 0;
+  int64_t block_size = 16;  // positions per KV block (a power of two)
+  bool enable_prefix_caching = true;
 };
 
 class OpenAiServer {

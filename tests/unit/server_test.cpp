@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "core/status.h"
 #include "server/openai_server.h"
 
 namespace nibble {
@@ -94,6 +95,35 @@ std::vector<json> events(const Reply& r) {
   EXPECT_TRUE(done) << r.body;
   return out;
 }
+
+// A counter or gauge from /metrics.
+double metric(int port, const std::string& name) {
+  const std::string m = request(port, "GET", "/metrics").body;
+  const size_t p = m.find("\n" + name + " ");
+  EXPECT_NE(p, std::string::npos) << name;
+  return p == std::string::npos ? -1 : std::stod(m.substr(p + name.size() + 2));
+}
+
+// A server of its own on the bundled model.
+struct OwnServer {
+  explicit OwnServer(ServeOptions o) : server(prepared(std::move(o))) {
+    port = server.bind();
+    thread = std::thread([this] { server.run(); });
+  }
+  ~OwnServer() {
+    server.stop();
+    thread.join();
+  }
+  static ServeOptions prepared(ServeOptions o) {
+    o.model_dir = std::string(NIBBLE_MODELS_DIR) + "/nibble-tiny-coder";
+    o.served_model_name = "tiny";
+    o.port = 0;
+    return o;
+  }
+  OpenAiServer server;
+  int port = 0;
+  std::thread thread;
+};
 
 class ServerTest : public ::testing::Test {
  protected:
@@ -211,6 +241,9 @@ TEST_F(ServerTest, ClientsAtOnceGetWhatTheyGetOneAtATime) {
       return post(port_, "/v1/chat/completions", chat(p)).j()["choices"][0]["message"]["content"].get<std::string>();
     }));
   for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(together[i].get(), alone[i]) << prompts[i];
+  // Every block is back in the pool (cached prefixes are free blocks too).
+  EXPECT_EQ(metric(port_, "nibble_kv_cache_blocks_used"), 0);
+  EXPECT_EQ(metric(port_, "nibble_num_requests_running"), 0);
 }
 
 TEST_F(ServerTest, BadRequestsGetOpenAiErrors) {
@@ -285,6 +318,92 @@ TEST_F(ServerTest, DisconnectMidStreamCancelsTheGeneration) {
   // Well before 1,900 tokens would have taken, the next request is served.
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
   EXPECT_EQ(post(port_, "/v1/completions", {{"prompt", "a"}, {"max_tokens", 1}}).status, 200);
+}
+
+// Prefix caching: a request whose prompt starts with an earlier one's takes that prompt's KV
+// blocks (whole blocks of 16) instead of computing them, reports them in
+// usage.prompt_tokens_details.cached_tokens and the metrics, and answers exactly what a server
+// without prefix caching answers.
+TEST(ServerPrefixCaching, ASharedPrefixIsNotComputedAgain) {
+  std::string document = "# Notes on the parser module\n";
+  for (int i = 0; i < 12; ++i) document += "def rule_" + std::to_string(i) + "(tokens):\n    return parse(tokens)\n";
+  auto ask = [&](int port, const std::string& question) {
+    return post(port, "/v1/completions",
+                {{"model", "tiny"}, {"prompt", document + question}, {"max_tokens", 12}, {"temperature", 0}})
+        .j();
+  };
+  ServeOptions with, without;
+  without.enable_prefix_caching = false;
+  OwnServer cached(with), plain(without);
+  const json first = ask(cached.port, "def main():");
+  EXPECT_EQ(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  const json second = ask(cached.port, "class Parser:");
+  const int64_t n_prompt = second["usage"]["prompt_tokens"], hit = second["usage"]["prompt_tokens_details"]["cached_tokens"];
+  EXPECT_GE(hit, 96) << "the shared document is " << n_prompt << " tokens";
+  EXPECT_LT(hit, n_prompt);
+  EXPECT_EQ(hit % 16, 0);
+  EXPECT_EQ(metric(cached.port, "nibble_prefix_cache_hits_total"), double(hit));
+  EXPECT_GE(metric(cached.port, "nibble_prefix_cache_queries_total"), double(2 * n_prompt - 20));
+  // The same request again: everything but the last token comes from the cache.
+  const json third = ask(cached.port, "class Parser:");
+  EXPECT_EQ(third["usage"]["prompt_tokens_details"]["cached_tokens"], (n_prompt - 1) / 16 * 16);
+  const json reference = (ask(plain.port, "def main():"), ask(plain.port, "class Parser:"));
+  EXPECT_EQ(reference["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  EXPECT_EQ(second["choices"][0]["text"], reference["choices"][0]["text"]);
+  EXPECT_EQ(third["choices"][0]["text"], reference["choices"][0]["text"]);
+  EXPECT_EQ(metric(plain.port, "nibble_prefix_cache_hits_total"), 0);
+}
+
+// A KV cache too small for everyone at once: sequences are preempted (their blocks freed) and
+// recomputed later instead of failing, each still gets what it gets alone, and the pool is whole
+// again at the end.
+TEST(ServerPreemption, RunningOutOfBlocksPreemptsAndRecomputes) {
+  ServeOptions o;
+  o.max_model_len = 256;                     // 16 blocks of 16 per sequence at most
+  o.kv_cache_memory_bytes = 21 * 32768;      // 20 usable blocks of 32 KiB (4 layers, 2 KV heads of 64, f16)
+  o.max_num_seqs = 6;
+  OwnServer server(o);
+  EXPECT_EQ(metric(server.port, "nibble_kv_cache_blocks_total"), 20);
+  auto body = [](int i) {
+    return json{{"model", "tiny"},
+                {"prompt", "# task " + std::to_string(i) + "\ndef solve_" + std::to_string(i) + "(data):"},
+                {"max_tokens", 150},
+                {"ignore_eos", true},
+                {"temperature", 0}};
+  };
+  std::vector<std::string> alone;
+  for (int i = 0; i < 6; ++i) alone.push_back(post(server.port, "/v1/completions", body(i)).j()["choices"][0]["text"]);
+  EXPECT_EQ(metric(server.port, "nibble_num_preemptions_total"), 0);
+  std::vector<std::future<json>> together;
+  for (int i = 0; i < 6; ++i)
+    together.push_back(std::async(std::launch::async, [&, i] { return post(server.port, "/v1/completions", body(i)).j(); }));
+  for (int i = 0; i < 6; ++i) {
+    const json r = together[size_t(i)].get();
+    EXPECT_EQ(r["choices"][0]["text"], alone[size_t(i)]) << i;
+    EXPECT_EQ(r["usage"]["completion_tokens"], 150);
+  }
+  EXPECT_GT(metric(server.port, "nibble_num_preemptions_total"), 0);
+  EXPECT_EQ(metric(server.port, "nibble_kv_cache_blocks_used"), 0);
+}
+
+TEST(ServerKvCache, BadSizesAreRefusedAtStart) {
+  ServeOptions o = OwnServer::prepared({});
+  o.max_model_len = 2048;
+  o.kv_cache_memory_bytes = 10 * 32768;
+  try {
+    OpenAiServer s(o);
+    FAIL() << "a KV cache smaller than one sequence was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--max-model-len"), std::string::npos) << e.what();
+  }
+  o.kv_cache_memory_bytes = 0;
+  o.block_size = 24;
+  try {
+    OpenAiServer s(o);
+    FAIL() << "block size 24 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--block-size"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ServerAuth, ApiKeyIsRequiredOnV1Routes) {

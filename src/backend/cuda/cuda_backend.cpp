@@ -178,6 +178,10 @@ class CudaBackend final : public Backend {
     free_blocks_[it->second].push_back(ptr);
     block_size_.erase(it);
   }
+  bool memory_info(size_t* free_bytes, size_t* total_bytes) override {
+    CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
+    return true;
+  }
   void copy_to_backend(void* dst, const void* src, size_t bytes) override {
     CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
   }
