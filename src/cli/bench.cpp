@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "bench/batch_decode.h"
 #include "bench/sweep.h"
 #include "core/version.h"
 #include "cli/commands.h"
@@ -20,7 +21,7 @@ namespace {
 
 struct BenchOptions {
   std::string model_dir, device = "cpu", load_format = "auto", quantization, json_path, prompts = "512",
-              depths = "0", kv_cache_dtype = "auto";
+              depths = "0", kv_cache_dtype = "auto", batches;
   int64_t generate = 128;
   int repetitions = 3;
   bool enforce_eager = false, profile = false;
@@ -90,6 +91,18 @@ void bench(const BenchOptions& o) {
       fmt::print("| {} | {} | {:.1f} ± {:.1f} | | {:.0f} | {:.1f}% |\n", r.test, r.depth, r.tok_s_mean, r.tok_s_std,
                  r.gb_s, r.roofline_pct);
   }
+  std::vector<BatchDecodeResult> batched;
+  if (!o.batches.empty()) {
+    fmt::print("\n| batch | depth | step ms | aggregate tok/s |\n|---:|---:|---:|---:|\n");
+    for (int64_t d : sweep.depths)
+      for (const BatchDecodeResult& b :
+           run_batch_decode(*model, parse_list(o.batches, "--batch"), d, std::max<int64_t>(o.generate, 8), o.repetitions,
+                            sweep.seed)) {
+        fmt::print("| {} | {} | {:.2f} | {:.1f} ± {:.1f} |\n", b.batch, b.depth, b.step_ms, b.tok_s, b.tok_s_std);
+        std::fflush(stdout);
+        batched.push_back(b);
+      }
+  }
   for (auto& r : results) {
     if (r.test[0] != 't' || !o.profile) continue;
     if (r.profile.steps == 0)
@@ -114,6 +127,9 @@ void bench(const BenchOptions& o) {
       j["results"].push_back({{"test", r.test}, {"depth", r.depth}, {"tok_s", r.tok_s_mean}, {"tok_s_std", r.tok_s_std},
                               {"ttft_ms", r.ttft_ms_mean}, {"bytes_per_token", r.bytes_per_token},
                               {"gb_s", r.gb_s}, {"roofline_pct", r.roofline_pct}});
+    for (auto& b : batched)
+      j["batched"].push_back({{"batch", b.batch}, {"depth", b.depth}, {"step_ms", b.step_ms}, {"tok_s", b.tok_s},
+                              {"tok_s_std", b.tok_s_std}});
     for (auto& r : results)
       for (const ProfileRow& row : r.profile.kernels)
         j["profile"].push_back({{"depth", r.depth}, {"kernel", row.name}, {"category", row.category},
@@ -143,6 +159,9 @@ void add_bench_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("--temperature", o->temperature, "Decode sampling temperature (0: greedy, the default)");
   cmd->add_option("--top-p", o->top_p, "Decode nucleus mass, with --temperature");
   cmd->add_option("--top-k", o->top_k, "Decode top-k, with --temperature (0: off)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--batch", o->batches,
+                  "Also decode batches of these many sequences at each depth (e.g. 1,8,32,64): aggregate tok/s of "
+                  "the engine's batched steps");
   cmd->add_flag("--profile", o->profile,
                 "After each decode test, trace 16 more steps on the device and print where a step's time goes");
   cmd->callback([o] { bench(*o); });

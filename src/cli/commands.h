@@ -10,5 +10,6 @@ void add_info_command(CLI::App& app);
 void add_quantize_command(CLI::App& app);
 void add_serve_command(CLI::App& app);
 void add_bench_command(CLI::App& app, int argc, char** argv);
+void add_bench_serve_command(CLI::App& app);
 
 }  // namespace nibble::cli

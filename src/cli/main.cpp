@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   nibble::cli::add_info_command(app);
   nibble::cli::add_quantize_command(app);
   nibble::cli::add_bench_command(app, argc, argv);
+  nibble::cli::add_bench_serve_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -66,6 +66,10 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--kv-cache-memory-bytes", o->kv_cache_memory_bytes,
                   "KV cache size in bytes (overrides --gpu-memory-utilization; CPU default 4 GiB)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--load-format", o->load_format, "auto (the checkpoint) or dummy (random weights, for benchmarks)");
+  cmd->add_option("--quantization", o->quantization, "With --load-format dummy: int4 for GPTQ-like INT4 weights");
+  cmd->add_option("--generation-config", o->generation_config,
+                  "Sampling defaults: auto (the model's generation_config.json), vllm (none), or a directory");
   cmd->add_option("--block-size", o->block_size, "Positions per KV cache block, a power of two (default 16)");
   cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o->enable_prefix_caching,
                 "Reuse the KV blocks of earlier requests' prompt prefixes (default on)");

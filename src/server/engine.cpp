@@ -1,6 +1,9 @@
 #include "server/engine.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <cstdlib>
 
 #include "core/status.h"
 
@@ -88,6 +91,8 @@ void Engine::loop() {
   const int64_t block = blocks_->block_size();
   std::vector<std::unique_ptr<Running>> running;   // in admission order
   std::deque<std::unique_ptr<Running>> preempted;  // wait ahead of the queue, oldest first
+  // NIBBLE_ENGINE_TRACE=1: a line per step on stderr (sizes and times), for tuning.
+  const bool trace = std::getenv("NIBBLE_ENGINE_TRACE") != nullptr;
   std::vector<int64_t> free_rows;
   for (int64_t r = options_.max_num_seqs; r-- > 0;) free_rows.push_back(r);
 
@@ -143,6 +148,7 @@ void Engine::loop() {
       cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !running.empty() || !preempted.empty(); });
       if (stopping_) return;
     }
+    const auto step_start = Clock::now();
     // Cancelled sequences leave first: their blocks are free for this step.
     for (auto& r : running)
       if (r->job->cancelled) finish(*r, error_event("cancelled"));
@@ -267,9 +273,20 @@ void Engine::loop() {
       continue;
     }
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (trace) {
+      int64_t n_tokens = 0, n_decode = 0;
+      for (const Scheduled& sc : batch) {
+        n_tokens += sc.n;
+        n_decode += sc.n == 1;
+      }
+      fmt::print(stderr, "engine step: {} sequences ({} decoding), {} tokens, scheduled in {:.3f} ms, forward {:.3f} ms\n",
+                 batch.size(), n_decode, n_tokens, std::chrono::duration<double, std::milli>(t0 - step_start).count(),
+                 1e3 * seconds);
+    }
     {
       std::lock_guard lock(mu_);
       ++stats_.steps;
+      stats_.forward_seconds += seconds;
     }
 
     // 4. Results: new tokens to the clients, full blocks to the prefix cache.
@@ -304,6 +321,8 @@ void Engine::loop() {
     }
     std::erase_if(running, [](const auto& r) { return !r->job; });
     publish();
+    std::lock_guard lock(mu_);
+    stats_.step_seconds += std::chrono::duration<double>(Clock::now() - step_start).count();
   }
 }
 

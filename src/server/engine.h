@@ -63,6 +63,7 @@ struct EngineStats {
   int64_t prompt_tokens = 0, generation_tokens = 0, cancelled = 0, finished = 0;
   int64_t kv_blocks = 0, kv_blocks_used = 0, block_size = 0;
   int64_t prefix_queried_tokens = 0, prefix_hit_tokens = 0, preemptions = 0, steps = 0;
+  double forward_seconds = 0, step_seconds = 0;  // in Model::forward_batch; in whole engine steps
 };
 
 struct EngineOptions {

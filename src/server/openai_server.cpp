@@ -5,9 +5,12 @@
 #include <atomic>
 #include <bit>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <span>
+
+#include <unistd.h>
 
 #include "core/status.h"
 #include "format/hf_config.h"
@@ -99,11 +102,17 @@ struct OpenAiServer::Impl {
     LoadOptions load;
     load.enforce_eager = o.enforce_eager;
     load.kv_cache_dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
+    load.load_format = o.load_format;
+    load.quantization = o.quantization;
     model = load_model(o.model_dir, *backend, load);
     const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
     NIBBLE_CHECK(std::filesystem::exists(tok_path), "{}: missing (nibble serve needs the model's tokenizer)", tok_path);
     tokenizer = Tokenizer::from_file(tok_path);
-    gen = load_generation_config(o.model_dir);
+    NIBBLE_CHECK(o.generation_config == "auto" || o.generation_config == "vllm" ||
+                     std::filesystem::is_directory(o.generation_config),
+                 "--generation-config {}: must be auto, vllm or a directory", o.generation_config);
+    if (o.generation_config != "vllm")
+      gen = load_generation_config(o.generation_config == "auto" ? o.model_dir : o.generation_config);
     max_model_len = o.max_model_len > 0 ? o.max_model_len : model->config().max_position_embeddings;
     NIBBLE_CHECK(max_model_len >= 2, "--max-model-len {} is too small", max_model_len);
     if (o.served_model_name.empty()) o.served_model_name = o.model_dir;
@@ -184,6 +193,13 @@ struct OpenAiServer::Impl {
                                    {"max_model_len", max_model_len}}})}};
   }
 
+  static int64_t resident_bytes() {
+    std::ifstream statm("/proc/self/statm");
+    int64_t size = 0, resident = 0;
+    statm >> size >> resident;
+    return resident * int64_t(sysconf(_SC_PAGESIZE));
+  }
+
   std::string metrics() {
     const EngineStats s = engine->stats();
     std::string out;
@@ -216,6 +232,12 @@ struct OpenAiServer::Impl {
     gauge("nibble_num_preemptions_total", "Sequences preempted (blocks ran out) to be recomputed", "counter",
           s.preemptions);
     gauge("nibble_engine_steps_total", "Batched forward steps run", "counter", s.steps);
+    out += fmt::format("# HELP nibble_engine_forward_seconds_total Time in batched forward passes\n"
+                       "# TYPE nibble_engine_forward_seconds_total counter\nnibble_engine_forward_seconds_total {}\n"
+                       "# HELP nibble_engine_step_seconds_total Time in engine steps (scheduling, forward, results)\n"
+                       "# TYPE nibble_engine_step_seconds_total counter\nnibble_engine_step_seconds_total {}\n",
+                       s.forward_seconds, s.step_seconds);
+    gauge("process_resident_memory_bytes", "Resident memory of the server process", "gauge", resident_bytes());
     ttft.write(out, "nibble_time_to_first_token_seconds", "Time from request to first token");
     itl.write(out, "nibble_inter_token_latency_seconds", "Time between consecutive tokens");
     e2e.write(out, "nibble_e2e_request_latency_seconds", "Time from request to last token");

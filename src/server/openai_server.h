@@ -28,6 +28,11 @@ struct ServeOptions {
   int64_t kv_cache_memory_bytes = 0;
   int64_t block_size = 16;  // positions per KV block (a power of two)
   bool enable_prefix_caching = true;
+  std::string load_format = "auto";  // "dummy": random weights of the config's shapes (benchmarks)
+  std::string quantization;          // with dummy weights: "" (BF16) or "int4"
+  // Sampling defaults: "auto" from the model's generation_config.json (as vLLM), "vllm" none
+  // (temperature 1, no penalties unless a request asks), or a directory holding one.
+  std::string generation_config = "auto";
 };
 
 class OpenAiServer {
