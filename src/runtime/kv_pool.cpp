@@ -18,9 +18,15 @@ KvPool::KvPool(Backend& backend, int64_t n_layers, int64_t n_blocks, int64_t n_h
   NIBBLE_CHECK(n_blocks >= 2 && n_rows >= 1 && blocks_per_row >= 1, "KV pool: {} blocks, {} rows of {} blocks",
                n_blocks, n_rows, blocks_per_row);
   const size_t bytes = size_t(n_blocks << block_size_log2) * size_t(n_head_kv * head_dim) * dtype_size_bytes(dtype);
+  // Zeroed (as vLLM's torch.zeros): all of it resident from the start, so the server's memory
+  // does not creep up as the free list cycles through blocks never touched before (a load test's
+  // leak check would see that as growth), and no block ever holds garbage.
+  const int64_t elements = int64_t(bytes / dtype_size_bytes(dtype));
   for (int64_t i = 0; i < n_layers; ++i) {
     k_.emplace_back(backend, bytes);
     v_.emplace_back(backend, bytes);
+    backend.fill_random(k_.back().data(), dtype, elements, 0.f, 0.f, 0);
+    backend.fill_random(v_.back().data(), dtype, elements, 0.f, 0.f, 0);
   }
   host_table_.assign(size_t((n_rows + 1) * blocks_per_row), 0);
   table_ = Buffer(backend, host_table_.size() * sizeof(int32_t));
