@@ -65,7 +65,6 @@ void BlockPool::evict(int32_t b) {
 
 std::vector<int32_t> BlockPool::take_cached_prefix(std::span<const int32_t> tokens, int64_t max_tokens) {
   std::vector<int32_t> blocks;
-  queried_ += int64_t(tokens.size());
   if (!prefix_caching_) return blocks;
   uint64_t parent = 0;
   const int64_t n = std::min<int64_t>(int64_t(tokens.size()), max_tokens) / block_size_;
@@ -82,7 +81,6 @@ std::vector<int32_t> BlockPool::take_cached_prefix(std::span<const int32_t> toke
     blocks.push_back(b);
     parent = h;
   }
-  hits_ += int64_t(blocks.size()) * block_size_;
   return blocks;
 }
 

@@ -27,8 +27,8 @@ class BlockPool {
   bool prefix_caching() const { return prefix_caching_; }
 
   // The cached blocks that hold the longest prefix of `tokens` in whole blocks, at most
-  // max_tokens tokens: each gets a reference. Counts a query of `tokens.size()` tokens and the
-  // hit tokens for the prefix-cache hit rate.
+  // max_tokens tokens: each gets a reference. (The caller counts queries and hits: a lookup
+  // whose sequence then cannot be admitted is undone and must not count.)
   std::vector<int32_t> take_cached_prefix(std::span<const int32_t> tokens, int64_t max_tokens);
   // Appends n fresh blocks to `blocks`; false (nothing taken) when fewer than n are free.
   bool allocate(int64_t n, std::vector<int32_t>& blocks);
@@ -39,9 +39,6 @@ class BlockPool {
   // Drops a sequence's references (in reverse, so a sequence's tail is reused before its head).
   void release(std::span<const int32_t> blocks);
 
-  // Prefix-cache counters (tokens): queried and found.
-  int64_t queried_tokens() const { return queried_; }
-  int64_t hit_tokens() const { return hits_; }
 
  private:
   uint64_t chain_hash(uint64_t parent, std::span<const int32_t> tokens) const;
@@ -60,7 +57,6 @@ class BlockPool {
   std::vector<uint64_t> hash_, parent_hash_;
   std::vector<int32_t> tokens_;
   std::unordered_map<uint64_t, int32_t> cached_;
-  int64_t queried_ = 0, hits_ = 0;
 };
 
 }  // namespace nibble

@@ -107,8 +107,6 @@ void Engine::loop() {
     std::lock_guard lock(mu_);
     stats_.running = int64_t(running.size());
     stats_.kv_blocks_used = blocks_->n_used();
-    stats_.prefix_queried_tokens = blocks_->queried_tokens();
-    stats_.prefix_hit_tokens = blocks_->hit_tokens();
   };
   auto finish = [&](Running& r, EngineEvent end) {
     release(r);  // the blocks go back before the client hears of the end
@@ -237,6 +235,11 @@ void Engine::loop() {
         break;
       }
       r->admitted_once = true;
+      {
+        std::lock_guard lock(mu_);
+        stats_.prefix_queried_tokens += int64_t(tokens.size());
+        stats_.prefix_hit_tokens += r->computed;
+      }
       batch.push_back({r.get(), n});
       budget -= n;
       running.push_back(std::move(r));
