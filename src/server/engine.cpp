@@ -108,16 +108,19 @@ void Engine::loop() {
     stats_.running = int64_t(running.size());
     stats_.kv_blocks_used = blocks_->n_used();
   };
+  // The blocks go back, and the metrics say so, before the client hears of the end.
   auto finish = [&](Running& r, EngineEvent end) {
-    release(r);  // the blocks go back before the client hears of the end
+    release(r);
+    std::shared_ptr<EngineJob> job = std::move(r.job);  // r no longer counts as running
     {
       std::lock_guard lock(mu_);
-      stats_.prompt_tokens += int64_t(r.job->request.prompt.size());
+      stats_.prompt_tokens += int64_t(job->request.prompt.size());
       stats_.generation_tokens += r.generated;
-      (r.job->cancelled ? stats_.cancelled : stats_.finished) += 1;
+      (job->cancelled ? stats_.cancelled : stats_.finished) += 1;
+      stats_.kv_blocks_used = blocks_->n_used();
+      stats_.running = std::count_if(running.begin(), running.end(), [](const auto& x) { return x->job != nullptr; });
     }
-    r.job->push(std::move(end));
-    r.job.reset();
+    job->push(std::move(end));
   };
   auto error_event = [](std::string text) {
     EngineEvent e;
