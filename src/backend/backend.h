@@ -104,6 +104,11 @@ class Backend {
   // out[r] = index of the largest of x[r, 0..n) (the lowest index on ties): greedy sampling on
   // the device, so a decode step returns 4 bytes instead of a row of logits.
   virtual void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
+  // Penalises rows of logits[*, n] in place: rows[0..n_rows) (this backend's memory, like
+  // `tokens`) each name a logits row, its penalties and its slice of tokens; backend/sampling.h's
+  // apply_penalties per row. Runs before argmax or sample: penalised requests stay on the device.
+  virtual void apply_penalties(float* logits, int64_t n, const PenaltyRow* rows, int64_t n_rows,
+                               const PenaltyToken* tokens) = 0;
   // out[0] = the token backend/sampling.h's sample_logits draws from x[0..n) with *in (both in
   // this backend's memory): temperature, min-p, top-k, top-p and the draw on the device, so a
   // sampled decode step also returns 4 bytes.

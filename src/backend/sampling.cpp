@@ -6,6 +6,16 @@
 
 namespace nibble {
 
+void apply_penalties(std::span<float> logits, const Penalties& p, std::span<const PenaltyToken> tokens) {
+  const int64_t vocab = int64_t(logits.size());
+  for (const PenaltyToken& t : tokens) {
+    if (t.id < 0 || t.id >= vocab) continue;
+    float& l = logits[size_t(t.id)];
+    l = l > 0 ? l / p.repetition : l * p.repetition;
+    if (t.output_count > 0) l -= p.frequency * float(t.output_count) + p.presence;
+  }
+}
+
 int32_t sample_logits(std::span<const float> logits, const SampleInputs& in, std::vector<float>& work,
                       std::vector<int32_t>& order) {
   const int64_t vocab = int64_t(logits.size());

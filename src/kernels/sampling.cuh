@@ -8,6 +8,7 @@
 //   5. sample_draw_kernel (one block): top-k, min-p, the kept mass, the top-p prefix and the draw,
 //      each prefix found by a two-level block scan in f64 (the reference sums in f64): over the
 //      chunk sums, then within the chunk that reaches the target.
+// penalties_kernel, before any of them, penalises rows of logits in place (apply_penalties).
 // The parameters (and the uniform number) are read from device memory: a recorded step serves
 // every request's parameters.
 #pragma once
@@ -22,6 +23,24 @@
 namespace nibble::kernels {
 
 constexpr int kSampleThreads = 1024;
+
+// Grid (rows, slices): row blockIdx.x's tokens, strided over the slices. A row's tokens are
+// distinct, so no two threads touch one logit. The rounding steps are explicit (no contraction
+// into an FMA) so the result is the reference's bit for bit.
+__global__ void penalties_kernel(float* __restrict__ logits, int64_t n, const PenaltyRow* __restrict__ rows,
+                                 const PenaltyToken* __restrict__ tokens) {
+  const PenaltyRow r = rows[blockIdx.x];
+  float* row = logits + r.logits_row * n;
+  for (int64_t i = int64_t(blockIdx.y) * blockDim.x + threadIdx.x; i < r.count; i += int64_t(gridDim.y) * blockDim.x) {
+    const PenaltyToken t = tokens[r.first + i];
+    if (t.id < 0 || t.id >= n) continue;
+    float l = row[t.id];
+    l = l > 0 ? __fdiv_rn(l, r.penalties.repetition) : __fmul_rn(l, r.penalties.repetition);
+    if (t.output_count > 0)
+      l = __fsub_rn(l, __fadd_rn(__fmul_rn(r.penalties.frequency, float(t.output_count)), r.penalties.presence));
+    row[t.id] = l;
+  }
+}
 
 __global__ void __launch_bounds__(kSampleThreads) sample_max_kernel(const float* __restrict__ x, int64_t n,
                                                                     float* __restrict__ max_out) {

@@ -32,20 +32,42 @@ void Model::forward(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, 
   run(tokens, pos0, kv, all_logits, &logits, nullptr, nullptr);
 }
 
-int32_t Model::forward_greedy(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv) {
+int32_t Model::forward_greedy(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv,
+                              const TokenPenalties& penalties) {
   int32_t id = -1;
-  run(tokens, pos0, kv, false, nullptr, nullptr, &id);
+  run(tokens, pos0, kv, false, nullptr, nullptr, &id, penalties.active() ? &penalties : nullptr);
   return id;
 }
 
-int32_t Model::forward_sample(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, const SampleInputs& in) {
+int32_t Model::forward_sample(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, const SampleInputs& in,
+                              const TokenPenalties& penalties) {
   int32_t id = -1;
-  run(tokens, pos0, kv, false, nullptr, &in, &id);
+  run(tokens, pos0, kv, false, nullptr, &in, &id, penalties.active() ? &penalties : nullptr);
   return id;
+}
+
+void Model::penalize(float* logits, std::span<const std::pair<int64_t, const TokenPenalties*>> rows) {
+  if (rows.empty()) return;
+  std::vector<PenaltyRow> table;
+  std::vector<PenaltyToken> flat;
+  for (auto [row, p] : rows) {
+    table.push_back({row, int64_t(flat.size()), int64_t(p->tokens.size()), p->penalties});
+    flat.insert(flat.end(), p->tokens.begin(), p->tokens.end());
+  }
+  auto fit = [&](Buffer& b, size_t bytes) {
+    if (b.bytes() < bytes) b = Buffer(backend_, std::max(bytes, 2 * b.bytes()));
+  };
+  fit(penalty_rows_, table.size() * sizeof(PenaltyRow));
+  fit(penalty_tokens_, std::max<size_t>(1, flat.size()) * sizeof(PenaltyToken));
+  backend_.copy_to_backend(penalty_rows_.data(), table.data(), table.size() * sizeof(PenaltyRow));
+  if (!flat.empty()) backend_.copy_to_backend(penalty_tokens_.data(), flat.data(), flat.size() * sizeof(PenaltyToken));
+  backend_.apply_penalties(logits, config_.vocab_size, penalty_rows_.data<PenaltyRow>(), int64_t(table.size()),
+                           penalty_tokens_.data<PenaltyToken>());
 }
 
 void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits,
-                std::vector<float>* logits, const SampleInputs* sample, int32_t* token_id) {
+                std::vector<float>* logits, const SampleInputs* sample, int32_t* token_id,
+                const TokenPenalties* penalties) {
   const int64_t T = int64_t(tokens.size()), vocab = config_.vocab_size;
   NIBBLE_CHECK(T > 0, "forward: no tokens");
   NIBBLE_CHECK(pos0 >= 0 && pos0 + T <= kv.max_tokens(), "sequence of {} tokens does not fit the "
@@ -68,11 +90,13 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
     compute(step);
     if (token_id) {
       Buffer id(backend_, 4), in(backend_, sizeof(SampleInputs));
+      const std::pair<int64_t, const TokenPenalties*> row{rows - 1, penalties};
+      if (penalties) penalize(out.data(), {&row, 1});
       if (sample) {
         backend_.copy_to_backend(in.data(), sample, sizeof(SampleInputs));
-        backend_.sample(out.data(), vocab, in.data<SampleInputs>(), id.data<int32_t>());
+        backend_.sample(out.data() + (rows - 1) * vocab, vocab, in.data<SampleInputs>(), id.data<int32_t>());
       } else {
-        backend_.argmax(out.data(), 1, vocab, id.data<int32_t>());
+        backend_.argmax(out.data() + (rows - 1) * vocab, 1, vocab, id.data<int32_t>());
       }
       backend_.copy_to_host(token_id, id.data(), 4);
     } else {
@@ -95,16 +119,26 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
   Step step{decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>(), 1, bucket, false, decode_logits_.data()};
   step.cache = &kv;
   // Greedy and sampled steps record the argmax or the draw too: graphs of their own. The draw's
-  // parameters are read from device memory, so one graph serves every request's.
+  // parameters are read from device memory, so one graph serves every request's. Penalties
+  // (whose token list grows every step) run after the logits graph, then the pick.
+  const bool pick_in_graph = token_id && !penalties;
   const uint64_t key = (id_ << 48) ^ (kv.id() << 24) ^ uint64_t(bucket) ^
-                       (token_id ? uint64_t(sample ? 2 : 1) << 46 : 0);
-  record_or_replay(key, [&] {
-    compute(step);
+                       (pick_in_graph ? uint64_t(sample ? 2 : 1) << 46 : 0);
+  auto pick = [&] {
     if (token_id && sample)
       backend_.sample(decode_logits_.data(), vocab, decode_sample_.data<SampleInputs>(), decode_token_.data<int32_t>());
     else if (token_id)
       backend_.argmax(decode_logits_.data(), 1, vocab, decode_token_.data<int32_t>());
+  };
+  record_or_replay(key, [&] {
+    compute(step);
+    if (pick_in_graph) pick();
   }, graph_keys_[kv.id()]);
+  if (penalties) {
+    const std::pair<int64_t, const TokenPenalties*> row{0, penalties};
+    penalize(decode_logits_.data(), {&row, 1});
+    pick();
+  }
   if (token_id)
     backend_.copy_to_host(token_id, decode_token_.data(), 4);
   else
@@ -204,7 +238,6 @@ void Model::forward_batch(std::span<const BatchEntry> entries, KvPool& pool, Bat
       batch_rows_ = Buffer(backend_, n * 4);
       batch_logits_ = Buffer(backend_, n * size_t(vocab) * 4);
       batch_tokens_ = Buffer(backend_, n * 4);
-      batch_sample_ = Buffer(backend_, n * sizeof(SampleInputs));
     }
     backend_.copy_to_backend(batch_ids_.data(), ids.data(), ids.size() * 4);
     backend_.copy_to_backend(batch_positions_.data(), positions.data(), positions.size() * 4);
@@ -242,30 +275,45 @@ void Model::forward_batch(std::span<const BatchEntry> entries, KvPool& pool, Bat
     if (n_logit_rows) backend_.argmax(logits, n_logit_rows, vocab, tokens);
   }
 
-  // The argmax ran over every row; sampled rows draw now, logits rows are copied.
+  // The argmax ran over every row. Penalised rows are penalised now and the argmax runs again;
+  // sampled rows draw into the same token array, which then comes back in one copy; logits rows
+  // are copied.
+  const int64_t token_rows = std::max<int64_t>(n_logit_rows, rows_run);
+  std::vector<std::pair<int64_t, const TokenPenalties*>> penalized;
+  std::vector<SampleInputs> draws;
+  for (size_t e = 0; e < entries.size(); ++e) {
+    if (entries[e].output == Output::kGreedy || entries[e].output == Output::kSample)
+      if (entries[e].penalties.active()) penalized.push_back({logit_row[e], &entries[e].penalties});
+    if (entries[e].output == Output::kSample) draws.push_back(entries[e].sample);
+  }
+  if (!penalized.empty()) {
+    penalize(logits, penalized);
+    backend_.argmax(logits, token_rows, vocab, tokens);
+  }
+  Buffer draw_inputs;
+  if (!draws.empty()) {
+    draw_inputs = Buffer(backend_, draws.size() * sizeof(SampleInputs));
+    backend_.copy_to_backend(draw_inputs.data(), draws.data(), draws.size() * sizeof(SampleInputs));
+    size_t k = 0;
+    for (size_t e = 0; e < entries.size(); ++e)
+      if (entries[e].output == Output::kSample) {
+        const int64_t r = logit_row[e];
+        backend_.sample(logits + r * vocab, vocab, draw_inputs.data<SampleInputs>() + k++, tokens + r);
+      }
+  }
   out.tokens.assign(entries.size(), -1);
   out.logits.clear();
-  std::vector<int32_t> argmax(size_t(std::max<int64_t>(n_logit_rows, rows_run)));
-  if (!argmax.empty()) backend_.copy_to_host(argmax.data(), tokens, argmax.size() * 4);
-  Buffer sample_in, sample_out;
+  std::vector<int32_t> picked(static_cast<size_t>(token_rows));
+  if (!picked.empty()) backend_.copy_to_host(picked.data(), tokens, picked.size() * 4);
   for (size_t e = 0; e < entries.size(); ++e) {
     const int64_t r = logit_row[e];
     switch (entries[e].output) {
       case Output::kNone:
         break;
       case Output::kGreedy:
-        out.tokens[e] = argmax[size_t(r)];
+      case Output::kSample:
+        out.tokens[e] = picked[size_t(r)];
         break;
-      case Output::kSample: {
-        if (!sample_in.data()) {
-          sample_in = Buffer(backend_, sizeof(SampleInputs));
-          sample_out = Buffer(backend_, 4);
-        }
-        backend_.copy_to_backend(sample_in.data(), &entries[e].sample, sizeof(SampleInputs));
-        backend_.sample(logits + r * vocab, vocab, sample_in.data<SampleInputs>(), sample_out.data<int32_t>());
-        backend_.copy_to_host(&out.tokens[e], sample_out.data(), 4);
-        break;
-      }
       case Output::kLogits: {
         const size_t at = out.logits.size();
         out.logits.resize(at + size_t(vocab));

@@ -49,6 +49,14 @@ struct Step {
   KvPages kv_layer(int64_t i) const { return cache ? cache->layer(i) : pool->layer(i, seq_rows); }
 };
 
+// A sequence's penalties and its distinct tokens (Sampler::penalty_tokens), applied to its logits
+// on the device before its token is picked, so a penalised request returns a token id too.
+struct TokenPenalties {
+  Penalties penalties;
+  std::span<const PenaltyToken> tokens;
+  bool active() const { return penalties.active(); }
+};
+
 // One sequence's part of a batched step: its next tokens at positions pos0.., its KV in row
 // `row` of the pool's block table, and what the step returns for it (the token picked after its
 // last token, or that token's logits, or nothing for a prompt chunk that is not the last).
@@ -58,7 +66,8 @@ struct BatchEntry {
   int64_t pos0 = 0;
   int64_t row = 0;
   Output output = Output::kGreedy;
-  SampleInputs sample;  // kSample
+  SampleInputs sample;        // kSample
+  TokenPenalties penalties;   // kGreedy, kSample
 };
 struct BatchOutput {
   std::vector<int32_t> tokens;  // per entry: the picked token (kGreedy, kSample), else -1
@@ -78,9 +87,12 @@ class Model {
                std::vector<float>& logits);
   // The same step, sampled greedily on the device (argmax of the last token's logits, lowest id
   // on ties): only the token id comes back to the host.
-  int32_t forward_greedy(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv);
+  // Active penalties are applied to the logits first.
+  int32_t forward_greedy(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv,
+                         const TokenPenalties& penalties = {});
   // The same step with the token drawn on the device (Backend::sample with `in`).
-  int32_t forward_sample(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, const SampleInputs& in);
+  int32_t forward_sample(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, const SampleInputs& in,
+                         const TokenPenalties& penalties = {});
   // Several sequences in one step over a shared KvPool (a server's batch): every weight is read
   // once for all of them. Decode steps (one token per sequence) are recorded per (batch size
   // bucket, context bucket) and replayed, padded to the bucket with rows that write only to the
@@ -154,7 +166,10 @@ class Model {
   // token_id set: the device picks the token (argmax, or the draw with `sample`), only its id
   // comes back; else the logits do.
   void run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool all_logits, std::vector<float>* logits,
-           const SampleInputs* sample, int32_t* token_id);
+           const SampleInputs* sample, int32_t* token_id, const TokenPenalties* penalties = nullptr);
+  // Backend::apply_penalties over logits[*, vocab]: rows[i].first is a row, .second its penalties.
+  void penalize(float* logits, std::span<const std::pair<int64_t, const TokenPenalties*>> rows);
+  Buffer penalty_rows_, penalty_tokens_;  // penalize's inputs, grown by doubling
   uint64_t id_;  // unique for the process's life: part of the graph keys
   bool use_graphs_ = true;
   // Fixed addresses for recorded steps.
@@ -164,7 +179,7 @@ class Model {
   std::unordered_map<uint64_t, std::vector<uint64_t>> pool_graph_keys_;  // KvPool id -> keys
   // Fixed addresses for recorded batch steps, sized for `batch_capacity_` rows.
   int64_t batch_capacity_ = 0;
-  Buffer batch_ids_, batch_positions_, batch_rows_, batch_logits_, batch_tokens_, batch_sample_;
+  Buffer batch_ids_, batch_positions_, batch_rows_, batch_logits_, batch_tokens_;
   bool record_or_replay(uint64_t key, const std::function<void()>& ops, std::vector<uint64_t>& keys);
 };
 

@@ -31,10 +31,10 @@ Sequence::Sequence(const Model& model, const Tokenizer& tokenizer, GenerateReque
       sampler_(req_.sampling, req_.prompt),
       detok_(tokenizer) {
   result_.finish_reason = "length";
-  // Without penalties or logprobs the token is picked on the device (greedy argmax, or the
+  // Without logprobs the token is picked on the device (penalties, then the greedy argmax or the
   // temperature/top-k/top-p/min-p draw with the request's generator's next number): each step
   // returns the token id, not a row of logits.
-  on_device_ = sampler_.picks_on_device() && req_.top_logprobs < 0;
+  on_device_ = req_.top_logprobs < 0;
   if (budget_ == 0) done_ = true;
 }
 
@@ -133,10 +133,10 @@ void Generation::step(const TokenCallback& on_token, int64_t max_prefill_tokens)
   int32_t id = -1;
   switch (seq_.pick()) {
     case Output::kGreedy:
-      id = model_.forward_greedy(tokens, pos0, kv_);
+      id = model_.forward_greedy(tokens, pos0, kv_, seq_.penalties());
       break;
     case Output::kSample:
-      id = model_.forward_sample(tokens, pos0, kv_, seq_.next_sample_inputs());
+      id = model_.forward_sample(tokens, pos0, kv_, seq_.next_sample_inputs(), seq_.penalties());
       break;
     default:
       model_.forward(tokens, pos0, kv_, false, logits_);

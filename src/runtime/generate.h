@@ -47,8 +47,8 @@ struct GenerateResult {
 using TokenCallback = std::function<void(const GeneratedToken&, std::string_view text)>;
 
 // A sequence's tokens and their meaning, without its KV memory: the prompt and the tokens
-// generated so far, how the next token is picked (on the device, greedy or drawn, or from a row of
-// logits on the host when penalties or logprobs need them), and what a new token does (the text
+// generated so far, how the next token is picked (on the device, penalised, then greedy or drawn,
+// or from a row of logits on the host when logprobs need them), and what a new token does (the text
 // it shows, EOS ids, stop strings, the token limit). Generation below runs one with its own
 // KvCache; a server's engine runs many over a shared KvPool.
 class Sequence {
@@ -66,6 +66,8 @@ class Sequence {
   BatchEntry::Output pick() const;
   // kSample: the draw's inputs (advances the request's generator).
   SampleInputs next_sample_inputs() { return sampler_.next_device_inputs(); }
+  // kGreedy, kSample: the penalties to apply first (valid until the next accept()).
+  TokenPenalties penalties() const { return {sampler_.penalties(), sampler_.penalty_tokens()}; }
   // The step's result for the last token: the token the device picked, or (kLogits) its logits.
   void accept(int32_t device_token, std::span<const float> logits, const TokenCallback& on_token);
   const GenerateResult& result() const { return result_; }

@@ -35,7 +35,8 @@ uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
 Sampler::Sampler(const SamplingParams& params, std::span<const int32_t> prompt) : p_(params) {
   validate(p_);
-  for (int32_t id : prompt) ++prompt_counts_[id];
+  if (penalties().active())
+    for (int32_t id : prompt) note(id, false);
   uint64_t s = p_.seed;
   for (auto& w : state_) w = splitmix64(s);
 }
@@ -52,11 +53,15 @@ SampleInputs Sampler::device_inputs(double uniform) const {
 
 SampleInputs Sampler::next_device_inputs() { return device_inputs(uniform()); }
 
-bool Sampler::picks_on_device() const {
-  return p_.repetition_penalty == 1.f && p_.presence_penalty == 0.f && p_.frequency_penalty == 0.f;
+void Sampler::note(int32_t id, bool output) {
+  auto [it, added] = seen_index_.try_emplace(id, int32_t(seen_.size()));
+  if (added) seen_.push_back({id, 0});
+  if (output) ++seen_[size_t(it->second)].output_count;
 }
 
-void Sampler::record(int32_t id) { ++output_counts_[id]; }
+void Sampler::record(int32_t id) {
+  if (penalties().active()) note(id, true);
+}
 
 double Sampler::uniform() {
   const uint64_t result = rotl(state_[1] * 5, 7) * 9;
@@ -71,27 +76,12 @@ double Sampler::uniform() {
 }
 
 int32_t Sampler::sample(std::span<const float> logits) {
-  const int64_t vocab = int64_t(logits.size());
   work_.assign(logits.begin(), logits.end());
-  if (p_.repetition_penalty != 1.f) {
-    auto penalise = [&](int32_t id) {
-      if (id < 0 || id >= vocab) return;
-      float& l = work_[size_t(id)];
-      l = l > 0 ? l / p_.repetition_penalty : l * p_.repetition_penalty;
-    };
-    for (auto& [id, n] : prompt_counts_) penalise(id);
-    for (auto& [id, n] : output_counts_)
-      if (!prompt_counts_.count(id)) penalise(id);
-  }
-  for (auto& [id, n] : output_counts_) {
-    if (id < 0 || id >= vocab) continue;
-    work_[size_t(id)] -= p_.frequency_penalty * float(n) + p_.presence_penalty;
-  }
-
+  apply_penalties(work_, penalties(), seen_);
   const int32_t chosen = p_.temperature == 0.f
                              ? int32_t(std::max_element(work_.begin(), work_.end()) - work_.begin())
                              : sample_logits(work_, device_inputs(uniform()), probs_, order_);
-  ++output_counts_[chosen];
+  record(chosen);
   return chosen;
 }
 

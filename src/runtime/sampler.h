@@ -40,12 +40,16 @@ class Sampler {
 
   // Picks the next token from logits[vocab]. Records it as output (for penalties).
   int32_t sample(std::span<const float> logits);
-  // Whether the device can pick the token (Backend::argmax at temperature 0, else Backend::sample):
-  // nothing needs the host, i.e. no penalties. Then next_device_inputs() gives a draw's inputs
-  // (advancing the generator as sample() would) and record() notes the token the device picked.
-  bool picks_on_device() const;
+  // The same pick on the device: Backend::apply_penalties with penalties() and penalty_tokens()
+  // when penalties().active(), then Backend::argmax at temperature 0, else Backend::sample with
+  // next_device_inputs() (which advances the generator as sample() would); record() notes the
+  // token the device picked.
   float temperature() const { return p_.temperature; }
   SampleInputs next_device_inputs();
+  Penalties penalties() const { return {p_.repetition_penalty, p_.frequency_penalty, p_.presence_penalty}; }
+  // The distinct tokens of the prompt and the output so far, with their output counts (empty
+  // unless penalties are active).
+  std::span<const PenaltyToken> penalty_tokens() const { return seen_; }
   void record(int32_t id);
 
   // log-softmax of raw logits: the chosen token's logprob and the top `k` (vLLM's logprobs, which
@@ -57,7 +61,9 @@ class Sampler {
   double uniform();  // [0, 1)
   SampleInputs device_inputs(double uniform) const;
   SamplingParams p_;
-  std::unordered_map<int32_t, int32_t> prompt_counts_, output_counts_;
+  void note(int32_t id, bool output);  // adds to seen_
+  std::vector<PenaltyToken> seen_;
+  std::unordered_map<int32_t, int32_t> seen_index_;  // id -> its place in seen_
   uint64_t state_[4];
   std::vector<float> work_, probs_;
   std::vector<int32_t> order_;

@@ -266,6 +266,7 @@ void Engine::loop() {
       const bool last = r.computed + s.n == int64_t(r.seq->tokens().size());
       e.output = last ? r.seq->pick() : Output::kNone;
       if (e.output == Output::kSample) e.sample = r.seq->next_sample_inputs();
+      if (e.output == Output::kGreedy || e.output == Output::kSample) e.penalties = r.seq->penalties();
       entries.push_back(e);
     }
     BatchOutput out;

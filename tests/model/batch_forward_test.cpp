@@ -2,13 +2,15 @@
 // computes alone (Model::forward over its own KvCache). Sequences of different lengths, prompt
 // chunks mixed with decode tokens in one step, table rows of shuffled blocks, a sequence that
 // starts from blocks another one filled (prefix caching), batch sizes that take the recorded
-// steps' padding (5 decoding -> bucket 8, then 3 -> bucket 4). Teacher-forced: both sides are
+// steps' padding (5 decoding -> bucket 8, then 3 -> bucket 4), tokens picked on the device with
+// penalties (greedy and drawn) beside plain greedy picks and logits rows. Teacher-forced: both sides are
 // fed the same tokens, so a difference cannot hide behind a diverged continuation.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <map>
 #include <random>
 
 #include "core/status.h"
@@ -37,6 +39,19 @@ Reference run_alone(Model& model, const std::vector<int32_t>& prompt, int64_t st
   }
   model.release_graphs(kv);
   return ref;
+}
+
+// A sequence's distinct tokens among its first `upto`, with their counts after the prompt: what
+// runtime/Sampler keeps for penalties.
+std::vector<PenaltyToken> penalty_tokens(const std::vector<int32_t>& t, int64_t n_prompt, int64_t upto) {
+  std::vector<PenaltyToken> out;
+  std::map<int32_t, size_t> index;
+  for (int64_t i = 0; i < upto; ++i) {
+    auto [it, added] = index.try_emplace(t[size_t(i)], out.size());
+    if (added) out.push_back({t[size_t(i)], 0});
+    if (i >= n_prompt) ++out[it->second].output_count;
+  }
+  return out;
 }
 
 double relative_error(const std::vector<float>& got, const std::vector<float>& want) {
@@ -111,6 +126,7 @@ void check_batches(Backend& backend, double tolerance) {
     std::vector<int64_t> feed = step_no < int(plan.size()) ? plan[size_t(step_no)] : std::vector<int64_t>{0, 1, 1, 1, 0};
     std::vector<BatchEntry> entries;
     std::vector<int64_t> who;
+    std::vector<std::vector<PenaltyToken>> seen(static_cast<size_t>(n));
     for (int64_t s = 0; s < n; ++s) {
       const int64_t k = std::min(feed[size_t(s)], int64_t(tokens[size_t(s)].size()) - done[size_t(s)]);
       if (k <= 0) continue;
@@ -120,6 +136,17 @@ void check_batches(Backend& backend, double tolerance) {
       e.row = s;
       const bool last_of_known = done[size_t(s)] + k >= int64_t(prompts[size_t(s)].size());
       e.output = !last_of_known ? Output::kNone : (s % 2 ? Output::kGreedy : Output::kLogits);
+      // Sequence 3 picks greedily after penalties, sequence 2 draws after penalties.
+      if (last_of_known && (s == 2 || s == 3)) {
+        seen[size_t(s)] = penalty_tokens(tokens[size_t(s)], int64_t(prompts[size_t(s)].size()), e.pos0 + k);
+        e.penalties = {s == 3 ? Penalties{1.3f, 0.5f, 0.2f} : Penalties{1.1f, 0.f, 0.4f}, seen[size_t(s)]};
+        if (s == 2) {
+          e.output = Output::kSample;
+          e.sample.uniform = double(step[size_t(s)] % 7) / 7 + 0.05;
+          e.sample.temperature = 0.8f;
+          e.sample.top_k = 40;
+        }
+      }
       entries.push_back(e);
       who.push_back(s);
     }
@@ -138,7 +165,17 @@ void check_batches(Backend& backend, double tolerance) {
         logits_at += size_t(vocab);
         EXPECT_LE(relative_error(got, want), tolerance) << what;
       } else {
-        const int32_t want_id = int32_t(std::max_element(want.begin(), want.end()) - want.begin());
+        std::vector<float> penalized = want;
+        apply_penalties(penalized, entries[i].penalties.penalties, entries[i].penalties.tokens);
+        if (entries[i].penalties.active()) {
+          EXPECT_NE(penalized, want);
+        }
+        std::vector<float> work;
+        std::vector<int32_t> order;
+        const int32_t want_id =
+            entries[i].output == Output::kSample
+                ? sample_logits(penalized, entries[i].sample, work, order)
+                : int32_t(std::max_element(penalized.begin(), penalized.end()) - penalized.begin());
         EXPECT_EQ(out.tokens[i], want_id) << what;
       }
       ++step[size_t(s)];

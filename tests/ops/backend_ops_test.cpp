@@ -14,6 +14,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <set>
 #include <tuple>
 
 #include "backend/backend.h"
@@ -388,6 +389,41 @@ TEST_F(OpsTest, Sample) {
       release_buffers();
     }
   }
+}
+
+// Penalties over several rows of one batch (rows in a shuffled order, one row without tokens,
+// prompt-only and output tokens, repetition above and below 1, negative presence): the same bits
+// as the reference, and the argmax of the penalised rows the same token.
+TEST_F(OpsTest, Penalties) {
+  constexpr int64_t n = 151936, rows = 5;
+  auto logits = random(rows * n, 8.f);
+  std::vector<PenaltyRow> table;
+  std::vector<PenaltyToken> tokens;
+  std::uniform_int_distribution<int32_t> id(0, int32_t(n - 1)), count(0, 3);
+  const Penalties settings[] = {{1.3f, 0.f, 0.f}, {0.8f, 0.5f, 0.25f}, {1.f, -0.4f, 1.5f}, {1.1f, 2.f, -2.f}};
+  for (int64_t r : {3, 0, 4, 1}) {
+    std::set<int32_t> ids;
+    // Each row's most likely token is penalised, so argmax can move.
+    if (r != 1) ids.insert(int32_t(std::max_element(logits.begin() + r * n, logits.begin() + (r + 1) * n) -
+                                   (logits.begin() + r * n)));
+    while (ids.size() < size_t(r == 1 ? 0 : 400 + 700 * r)) ids.insert(id(rng_));
+    table.push_back({r, int64_t(tokens.size()), int64_t(ids.size()), settings[table.size()]});
+    for (int32_t t : ids) tokens.push_back({t, count(rng_)});
+  }
+  std::vector<float> want = logits;
+  cpu_->apply_penalties(want.data(), n, table.data(), int64_t(table.size()), tokens.data());
+  ASSERT_NE(want, logits);
+  float* dx = on_gpu(logits);
+  gpu_->apply_penalties(dx, n, on_gpu(table), int64_t(table.size()), on_gpu(tokens));
+  const std::vector<float> got = to_host(dx, rows * n);
+  EXPECT_EQ(got, want) << "the penalised logits differ from the reference";
+  std::vector<int32_t> want_ids(rows), got_ids(rows);
+  cpu_->argmax(want.data(), rows, n, want_ids.data());
+  buffers_.emplace_back(*gpu_, rows * 4);
+  gpu_->argmax(dx, rows, n, buffers_.back().data<int32_t>());
+  gpu_->copy_to_host(got_ids.data(), buffers_.back().data(), rows * 4);
+  EXPECT_EQ(got_ids, want_ids);
+  ++cases_;
 }
 
 TEST_F(OpsTest, MoeRoute) {

@@ -102,12 +102,46 @@ test("the same seed gives the same text", async () => {
   assert.equal(a.choices[0].message.content, b.choices[0].message.content);
 });
 
-test("16 clients at once get what they get one at a time", async () => {
+// One gauge of the server's Prometheus text.
+async function gauge(name) {
+  const text = await (await fetch(server.url.replace(/\/v1$/, "/metrics"))).text();
+  const m = text.match(new RegExp(`^${name} (\\S+)$`, "m"));
+  assert.ok(m, `${name} is missing from /metrics`);
+  return Number(m[1]);
+}
+
+// Half of the clients stream; the KV blocks they hold are watched while they run and must all be
+// back in the pool (and nothing running) once every answer is in.
+test("16 clients at once get what they get one at a time, and the KV blocks return", async () => {
   const prompts = Array.from({ length: 16 }, (_, i) => `Task ${i}: write a function.`);
   const alone = [];
   for (const p of prompts) alone.push((await ask(p)).choices[0].message.content);
-  const together = await Promise.all(prompts.map((p) => ask(p)));
-  assert.deepEqual(together.map((r) => r.choices[0].message.content), alone);
+  const total = await gauge("nibble_kv_cache_blocks_total");
+  assert.ok(total > 0);
+  let peak = 0, running = true;
+  const watch = (async () => {
+    while (running) {
+      peak = Math.max(peak, await gauge("nibble_kv_cache_blocks_used"));
+      await new Promise((r) => setTimeout(r, 5));
+    }
+  })();
+  const streamed = async (content) => {
+    const stream = await client.chat.completions.create({
+      model: "tiny", messages: [{ role: "user", content }], max_tokens: 16, temperature: 0, stream: true,
+    });
+    let text = "";
+    for await (const chunk of stream) text += chunk.choices[0]?.delta?.content ?? "";
+    return text;
+  };
+  const together = await Promise.all(
+    prompts.map((p, i) => (i % 2 ? streamed(p) : ask(p).then((r) => r.choices[0].message.content))));
+  running = false;
+  await watch;
+  assert.deepEqual(together, alone);
+  assert.ok(peak > 0, "no KV blocks were seen in use while 16 clients ran");
+  assert.equal(await gauge("nibble_kv_cache_blocks_used"), 0);
+  assert.equal(await gauge("nibble_kv_cache_blocks_free"), total);
+  assert.equal(await gauge("nibble_num_requests_running"), 0);
 });
 
 test("bad requests raise the client's typed errors", async () => {

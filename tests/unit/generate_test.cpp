@@ -2,6 +2,7 @@
 // that the streamed pieces add up to the final text.
 #include "runtime/generate.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "core/status.h"
@@ -72,25 +73,37 @@ TEST_F(GenerateTest, SeededSamplingIsReproducible) {
   EXPECT_NE(a.ids, c.ids);
 }
 
-// Without penalties or logprobs the token is drawn by Backend::sample (on the device where there
-// is one); with logprobs the logits come back and runtime/Sampler draws on the host. Both walk the
-// same generator, so the same seed gives the same tokens, for every filter.
+// Without logprobs the token is picked by Backend::apply_penalties then argmax or sample (on the
+// device where there is one); with logprobs the logits come back and runtime/Sampler picks on the
+// host. Both walk the same generator, so the same seed gives the same tokens, for every filter and
+// penalty.
 TEST_F(GenerateTest, DeviceSamplingMatchesHostSampling) {
-  for (auto [temperature, top_k, top_p, min_p] :
-       {std::tuple<float, int64_t, float, float>{1.0f, 0, 1.f, 0.f}, {0.7f, 20, 1.f, 0.f}, {1.3f, 0, 0.9f, 0.f},
-        {0.9f, 50, 0.8f, 0.05f}}) {
+  for (auto [temperature, top_k, top_p, min_p, repetition, frequency, presence] :
+       {std::tuple<float, int64_t, float, float, float, float, float>{1.0f, 0, 1.f, 0.f, 1.f, 0.f, 0.f},
+        {0.7f, 20, 1.f, 0.f, 1.05f, 0.f, 0.f}, {1.3f, 0, 0.9f, 0.f, 1.f, 0.3f, 0.5f},
+        {0.9f, 50, 0.8f, 0.05f, 1.2f, 0.2f, -0.3f}, {0.f, 0, 1.f, 0.f, 1.5f, 0.f, 0.f},
+        {0.f, 0, 1.f, 0.f, 0.9f, 1.f, 0.5f}}) {
     GenerateRequest req;
     req.max_new_tokens = 24;
     req.sampling.temperature = temperature;
     req.sampling.top_k = top_k;
     req.sampling.top_p = top_p;
     req.sampling.min_p = min_p;
+    req.sampling.repetition_penalty = repetition;
+    req.sampling.frequency_penalty = frequency;
+    req.sampling.presence_penalty = presence;
     req.sampling.seed = 7;
+    const std::string what = fmt::format("temperature {}, top_k {}, top_p {}, min_p {}, penalties {} {} {}",
+                                         temperature, top_k, top_p, min_p, repetition, frequency, presence);
     const GenerateResult device = gen(req);
-    req.top_logprobs = 0;  // logits to the host: runtime/Sampler draws
+    req.top_logprobs = 0;  // logits to the host: runtime/Sampler picks
     const GenerateResult host = gen(req);
-    EXPECT_EQ(device.ids, host.ids) << "temperature " << temperature << ", top_k " << top_k << ", top_p " << top_p
-                                    << ", min_p " << min_p;
+    EXPECT_EQ(device.ids, host.ids) << what;
+    if (repetition != 1.f || frequency != 0.f || presence != 0.f) {  // the penalties change the output
+      req.sampling.repetition_penalty = 1.f;
+      req.sampling.frequency_penalty = req.sampling.presence_penalty = 0.f;
+      EXPECT_NE(gen(req).ids, device.ids) << what;
+    }
   }
 }
 

@@ -278,6 +278,13 @@ class CpuBackend final : public Backend {
     *out = sample_logits({x, size_t(n)}, *in, work, order);
   }
 
+  void apply_penalties(float* logits, int64_t n, const PenaltyRow* rows, int64_t n_rows,
+                       const PenaltyToken* tokens) override {
+    for (int64_t r = 0; r < n_rows; ++r)
+      nibble::apply_penalties({logits + rows[r].logits_row * n, size_t(n)}, rows[r].penalties,
+                              {tokens + rows[r].first, size_t(rows[r].count)});
+  }
+
   void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
     for (int64_t r = 0; r < rows; ++r) out[r] = int32_t(std::max_element(x + r * n, x + (r + 1) * n) - (x + r * n));
   }

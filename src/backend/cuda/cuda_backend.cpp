@@ -538,6 +538,13 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH("argmax");
   }
 
+  void apply_penalties(float* logits, int64_t n, const PenaltyRow* rows, int64_t n_rows,
+                       const PenaltyToken* tokens) override {
+    OpProfiler::Scope scope(profiler_, "penalties");
+    cuda::apply_penalties(logits, n, rows, n_rows, tokens);
+    CUDA_CHECK_LAUNCH("penalties");
+  }
+
   void sample(const float* x, int64_t n, const SampleInputs* in, int32_t* out) override {
     OpProfiler::Scope scope(profiler_, "sample");
     NIBBLE_CHECK(n <= cuda::kSampleMaxVocab, "sample: a vocabulary of {} exceeds {}", n, cuda::kSampleMaxVocab);

@@ -94,6 +94,8 @@ void add(const float* x, int64_t count, float* y);
 // Row-wise arg-max (lowest index on ties); scratch: argmax_scratch_bytes(rows) of device memory.
 int64_t argmax_scratch_bytes(int64_t rows);
 void argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch);
+// Backend::apply_penalties (sampling.cu).
+void apply_penalties(float* logits, int64_t n, const PenaltyRow* rows, int64_t n_rows, const PenaltyToken* tokens);
 // Backend::sample for one row of n <= kSampleMaxVocab logits (sampling.cu); scratch:
 // sample_scratch_bytes(n) bytes.
 constexpr int64_t kSampleMaxVocab = 1024 * 1024;

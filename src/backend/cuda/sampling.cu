@@ -46,4 +46,9 @@ void sample(const float* x, int64_t n, const SampleInputs* in, int32_t* out, voi
   kernels::sample_draw_kernel<<<1, kernels::kSampleThreads>>>(w_sorted, chunk_sums, ids_sorted, n, in, out);
 }
 
+void apply_penalties(float* logits, int64_t n, const PenaltyRow* rows, int64_t n_rows, const PenaltyToken* tokens) {
+  if (n_rows == 0) return;
+  kernels::penalties_kernel<<<dim3(unsigned(n_rows), 4), 256>>>(logits, n, rows, tokens);
+}
+
 }  // namespace nibble::cuda
