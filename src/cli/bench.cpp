@@ -21,7 +21,8 @@ namespace {
 
 struct BenchOptions {
   std::string model_dir, device = "cpu", load_format = "auto", quantization, json_path, prompts = "512",
-              depths = "0", kv_cache_dtype = "auto", batches;
+              depths = "0", kv_cache_dtype = "auto", batches,
+              quantize_layers;
   int64_t generate = 128;
   int repetitions = 3;
   bool enforce_eager = false, profile = false;
@@ -67,6 +68,7 @@ void bench(const BenchOptions& o) {
   load.quantization = o.quantization;
   load.enforce_eager = o.enforce_eager;
   load.kv_cache_dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
+  load.quantize_layers = parse_quantize_layers(o.quantize_layers);
   const auto t0 = std::chrono::steady_clock::now();
   auto model = load_model(o.model_dir, *backend, load);
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -76,10 +78,10 @@ void bench(const BenchOptions& o) {
   const ModelConfig& c = model->config();
   const std::string device = backend->description();
   const double weight_bytes = double(model->weight_bytes_per_token());
-  fmt::print("nibble bench — {} ({}{}), {}\n", o.model_dir, c.model_type,
+  fmt::print("nibble bench — {} ({}{}{}), {}\n", o.model_dir, c.model_type,
              o.load_format == "dummy" ? ", dummy weights" + (o.quantization.empty() ? std::string() : " " + o.quantization)
                                       : std::string(),
-             device);
+             o.quantize_layers.empty() ? std::string() : ", INT4 at load: " + o.quantize_layers, device);
   fmt::print("weights read per decoded token {:.3f} GB; KV cache {}, {:.1f} KB per context token; copy bandwidth "
              "{:.2f} TB/s; roofline at depth 0 {:.0f} tok/s\n\n", weight_bytes / 1e9, dtype_name(model->kv_dtype()),
              double(model->kv_bytes_per_context_token()) / 1e3, bandwidth / 1e12, bandwidth / weight_bytes);
@@ -117,7 +119,7 @@ void bench(const BenchOptions& o) {
     nlohmann::json j;
     j["meta"] = {{"nibble", NIBBLE_VERSION}, {"commit", git_commit()}, {"date", date}, {"device", device},
                  {"model", o.model_dir}, {"model_type", c.model_type}, {"load_format", o.load_format},
-                 {"quantization", o.quantization}, {"enforce_eager", o.enforce_eager},
+                 {"quantization", o.quantization}, {"quantize_layers", o.quantize_layers}, {"enforce_eager", o.enforce_eager},
                  {"kv_cache_dtype", dtype_name(model->kv_dtype())}, {"temperature", o.temperature},
                  {"top_p", o.top_p}, {"top_k", o.top_k}, {"load_seconds", load_s},
                  {"copy_bandwidth_bytes_per_s", bandwidth}, {"weight_bytes_per_token", weight_bytes},
@@ -156,6 +158,8 @@ void add_bench_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("--json", o->json_path, "Also write the results as JSON to this file");
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16) or float32");
+  cmd->add_option("--quantize-layers", o->quantize_layers,
+                  "Quantize these 16-bit layers to INT4 at load (group 128): a list of lm_head, qkv, o");
   cmd->add_option("--temperature", o->temperature, "Decode sampling temperature (0: greedy, the default)");
   cmd->add_option("--top-p", o->top_p, "Decode nucleus mass, with --temperature");
   cmd->add_option("--top-k", o->top_k, "Decode top-k, with --temperature (0: off)")->check(CLI::NonNegativeNumber);

@@ -27,6 +27,7 @@ struct RunOptions {
   std::vector<std::string> stop;
   bool json = false, ignore_eos = false, enforce_eager = false;
   std::string kv_cache_dtype = "auto";
+  std::string quantize_layers;
 };
 
 std::vector<int32_t> parse_ids(const std::string& text) {
@@ -57,6 +58,7 @@ void run(const RunOptions& o) {
   LoadOptions load;
   load.enforce_eager = o.enforce_eager;
   load.kv_cache_dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
+  load.quantize_layers = parse_quantize_layers(o.quantize_layers);
   auto model = load_model(o.model_dir, *backend, load);
   const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
   NIBBLE_CHECK(std::filesystem::exists(tok_path), "{}: missing (nibble run needs the model's "
@@ -150,6 +152,8 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--device", o->device, "cpu or cuda");
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16) or float32");
+  cmd->add_option("--quantize-layers", o->quantize_layers,
+                  "Quantize these 16-bit layers to INT4 at load (group 128): a list of lm_head, qkv, o");
   cmd->callback([o] { run(*o); });
 }
 

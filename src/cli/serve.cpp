@@ -59,6 +59,8 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--reasoning-parser", o->reasoning_parser,
                   "Split <think> blocks into reasoning_content: auto (when the chat template uses them), qwen3, none");
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16) or float32");
+  cmd->add_option("--quantize-layers", o->quantize_layers,
+                  "Quantize these 16-bit layers to INT4 at load (group 128): a list of lm_head, qkv, o");
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
   cmd->add_option("--gpu-memory-utilization", o->gpu_memory_utilization,
                   "Fraction of GPU memory nibble may use; the KV cache gets what the weights and activations leave "

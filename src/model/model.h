@@ -188,8 +188,15 @@ struct LoadOptions {
   std::string load_format = "auto";  // "auto": the checkpoint's safetensors; "dummy": random weights
   std::string quantization;          // with dummy weights: "" (BF16) or "int4" (GPTQ-like, W4A16)
   int group_size = 128;
+  // Linear roles quantized to INT4 at load (--quantize-layers: lm_head, qkv, o), in groups of
+  // quantize_group_size.
+  std::vector<std::string> quantize_layers;
+  int quantize_group_size = 128;
   DType kv_cache_dtype = DType::F16;  // F16 or F32 (--kv-cache-dtype)
 };
+
+// Parses --quantize-layers ("lm_head,qkv,o"; "" is none): Error naming an unknown or unsupported layer.
+std::vector<std::string> parse_quantize_layers(const std::string& list);
 
 // Reads config.json, picks the architecture by model_type and loads the weights. Errors name the
 // file and the field or tensor that is wrong.

@@ -25,6 +25,22 @@ std::vector<std::string> supported_model_types() {
   return out;
 }
 
+std::vector<std::string> parse_quantize_layers(const std::string& list) {
+  std::vector<std::string> roles;
+  size_t at = 0;
+  while (at <= list.size() && !list.empty()) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    const std::string role = list.substr(at, comma - at);
+    NIBBLE_CHECK(role != "router", "--quantize-layers router: not supported yet (the fused MoE decode "
+                 "kernel reads a 16-bit router; quantized, decode would leave it for the slower path)");
+    NIBBLE_CHECK(role == "lm_head" || role == "qkv" || role == "o",
+                 "--quantize-layers: unknown layer '{}' (expected a comma-separated list of lm_head, qkv, o)", role);
+    roles.push_back(role);
+    at = comma + 1;
+  }
+  return roles;
+}
+
 std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend,
                                   const LoadOptions& options) {
   ModelConfig config = load_model_config(model_dir);
@@ -48,6 +64,7 @@ std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend
       source = checkpoint_source(std::make_shared<const Checkpoint>(Checkpoint::open(model_dir)),
                                  config, backend);
     }
+    source->quantize_at_load(options.quantize_layers, options.quantize_group_size);
     auto model = a.create(config, *source, backend);
     source->finish();
     model->set_use_graphs(!options.enforce_eager);

@@ -5,9 +5,21 @@
 #include <cmath>
 
 #include "core/status.h"
+#include "format/quant/int4_gptq.h"
 #include "model/loader.h"
 
 namespace nibble {
+
+std::string linear_role(const std::string& prefix) {
+  if (prefix == "lm_head") return "lm_head";
+  if (prefix.ends_with(".mlp.gate")) return "router";
+  if (prefix.ends_with(".self_attn.q_proj") || prefix.ends_with(".self_attn.k_proj") ||
+      prefix.ends_with(".self_attn.v_proj"))
+    return "qkv";
+  if (prefix.ends_with(".self_attn.o_proj")) return "o";
+  return {};
+}
+
 namespace {
 
 class CheckpointSource final : public WeightSource {
@@ -15,8 +27,18 @@ class CheckpointSource final : public WeightSource {
   CheckpointSource(std::shared_ptr<const Checkpoint> ckpt, const ModelConfig& config, Backend& backend)
       : ckpt_(std::move(ckpt)), loader_(*ckpt_, config), backend_(backend), config_(config) {}
 
-  LinearWeight linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias) override {
-    return keep(backend_.upload(loader_.linear(prefix, n, k, has_bias)));
+  LinearWeight load_linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias, int int4_group) override {
+    LinearWeight host = loader_.linear(prefix, n, k, has_bias);
+    if (int4_group > 0 && host.format != WeightFormat::kInt4) {
+      NIBBLE_CHECK(k % 8 == 0, "--quantize-layers: '{}' has {} inputs, not a multiple of 8", prefix, k);
+      LinearWeight q = int4_weight(prefix, quantize_int4(n, k, int4_group, false, [&](int64_t row, float* out) {
+                                     host.row_f32(row, out);
+                                   }));
+      q.bias = host.bias;
+      q.storage.insert(q.storage.end(), host.storage.begin(), host.storage.end());
+      host = std::move(q);
+    }
+    return keep(backend_.upload(host));
   }
   WeightVector vector(const std::string& name, int64_t n) override {
     return backend_.upload(loader_.vector(name, n));
@@ -54,16 +76,17 @@ class DummySource final : public WeightSource {
   DummySource(const ModelConfig& config, Backend& backend, const DummyOptions& options)
       : backend_(backend), o_(options), tied_(config.tie_word_embeddings) {}
 
-  LinearWeight linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias) override {
+  LinearWeight load_linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias, int int4_group) override {
     LinearWeight w;
     w.name = prefix;
     w.n = n;
     w.k = k;
-    if (o_.int4 && prefix.ends_with("_proj")) {
+    if ((o_.int4 && prefix.ends_with("_proj")) || int4_group > 0) {
       NIBBLE_CHECK(k % 8 == 0 && n % 8 == 0, "--quantization int4: '{}' is [{}, {}], not a multiple "
                    "of 8", prefix, n, k);
       w.format = WeightFormat::kInt4;
-      w.int4.group_size = o_.group_size > 0 ? o_.group_size : k;
+      const int group = int4_group > 0 ? int4_group : o_.group_size;
+      w.int4.group_size = group > 0 ? group : k;
       w.int4.n_groups = (k + w.int4.group_size - 1) / w.int4.group_size;
       // Random codes, symmetric (zero point 8) and small positive scales: weights of magnitude
       // ~0.01 whose sums stay finite through 48 layers, as GPTQ/AutoRound sym checkpoints.
@@ -90,8 +113,9 @@ class DummySource final : public WeightSource {
     std::vector<MlpWeights> out;
     for (int64_t e = 0; e < n_experts; ++e) {
       const std::string p = prefix + "." + std::to_string(e);
-      out.push_back({linear(p + ".gate_proj", inter, hidden, false), linear(p + ".up_proj", inter, hidden, false),
-                     linear(p + ".down_proj", hidden, inter, false)});
+      out.push_back({load_linear(p + ".gate_proj", inter, hidden, false, 0),
+                     load_linear(p + ".up_proj", inter, hidden, false, 0),
+                     load_linear(p + ".down_proj", hidden, inter, false, 0)});
     }
     return out;
   }

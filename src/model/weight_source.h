@@ -4,6 +4,7 @@
 // so full-size models can be benchmarked without their files (vLLM's --load-format dummy).
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,10 +16,28 @@
 
 namespace nibble {
 
+// The role of a Linear module for --quantize-layers: "lm_head", "router" (an MoE's mlp.gate),
+// "qkv" (self_attn q/k/v_proj), "o" (self_attn o_proj), else "" (nothing to choose).
+std::string linear_role(const std::string& prefix);
+
 class WeightSource {
  public:
   virtual ~WeightSource() = default;
-  virtual LinearWeight linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias = false) = 0;
+  // Module `prefix`: as stored, or quantized to INT4 (round to nearest, asymmetric, f16 scales per
+  // group) when its role is one of quantize_at_load's (a module stored in 4 bits stays as it is).
+  // `role` overrides the role of the name: a tied lm_head is the embedding table, loaded again as
+  // "lm_head" when that role is quantized.
+  LinearWeight linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias = false,
+                      const std::string& role = {}) {
+    return load_linear(prefix, n, k, has_bias, quantizes(role.empty() ? linear_role(prefix) : role) ? group_ : 0);
+  }
+  void quantize_at_load(std::vector<std::string> roles, int group_size) {
+    roles_ = std::move(roles);
+    group_ = group_size;
+  }
+  bool quantizes(const std::string& role) const {
+    return !role.empty() && std::find(roles_.begin(), roles_.end(), role) != roles_.end();
+  }
   virtual WeightVector vector(const std::string& name, int64_t n) = 0;
   virtual std::vector<MlpWeights> experts(const std::string& prefix, int64_t n_experts,
                                           int64_t inter, int64_t hidden) = 0;
@@ -26,6 +45,15 @@ class WeightSource {
   virtual bool has(const std::string& prefix) const = 0;
   // Called once every module is loaded: reports tensors nothing claimed.
   virtual void finish() {}
+
+ protected:
+  // int4_group > 0: quantize a 16/32-bit module to INT4 in groups of that size.
+  virtual LinearWeight load_linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias,
+                                   int int4_group) = 0;
+
+ private:
+  std::vector<std::string> roles_;
+  int group_ = 128;
 };
 
 std::unique_ptr<WeightSource> checkpoint_source(std::shared_ptr<const Checkpoint> ckpt,

@@ -21,6 +21,7 @@ struct ServeOptions {
   int64_t max_num_batched_tokens = 2048;  // tokens per engine step: decode tokens plus prompt chunks
   std::string reasoning_parser = "auto";  // auto (on when the chat template writes </think>), qwen3, none
   std::string kv_cache_dtype = "auto";
+  std::string quantize_layers;  // --quantize-layers: roles quantized to INT4 at load
   bool enforce_eager = false;
   // KV cache size: kv_cache_memory_bytes when set, else (GPU) this fraction of the device's
   // memory for everything nibble holds there, else (CPU) up to 4 GiB.

@@ -96,6 +96,38 @@ Int4Matrix int4_from_gptq(const GptqTensorSet& t, int64_t n, int64_t k, int grou
   return m;
 }
 
+namespace {
+// One group of `count` weights to 4-bit codes with the GPTQ quantizer's conventions (see the header).
+void quantize_group(const float* w, int64_t count, bool sym, uint8_t* codes, uint16_t& scale_out, uint8_t& zero_out) {
+  float lo = 0.f, hi = 0.f;  // the range always includes 0, as in GPTQ
+  for (int64_t i = 0; i < count; ++i) {
+    lo = std::min(lo, w[i]);
+    hi = std::max(hi, w[i]);
+  }
+  float scale, zero;
+  if (sym) {
+    float amax = std::max(-lo, hi);
+    if (amax == 0.f) amax = 1.f;
+    scale = 2.f * amax / 15.f;
+    zero = 8.f;
+  } else {
+    if (lo == 0.f && hi == 0.f) lo = -1.f, hi = 1.f;
+    scale = (hi - lo) / 15.f;
+    zero = 0.f;  // set below from the rounded scale
+  }
+  uint16_t scale_f16 = f32_to_f16(scale);
+  scale = f16_to_f32(scale_f16);
+  if (scale == 0.f) {  // below f16's range: the group is ~0, any scale represents it
+    scale_f16 = f32_to_f16(1e-7f);
+    scale = f16_to_f32(scale_f16);
+  }
+  if (!sym) zero = std::clamp(std::nearbyint(-lo / scale), 0.f, 15.f);
+  for (int64_t i = 0; i < count; ++i) codes[i] = uint8_t(std::clamp(std::nearbyint(w[i] / scale) + zero, 0.f, 15.f));
+  scale_out = scale_f16;
+  zero_out = uint8_t(zero);
+}
+}  // namespace
+
 GptqPacked quantize_gptq_int4(const float* w, int64_t n, int64_t k, int group_size, bool sym) {
   NIBBLE_ASSERT(k % 8 == 0 && n % 8 == 0);
   const int64_t g_size = group_size > 0 ? group_size : k;
@@ -113,33 +145,7 @@ GptqPacked quantize_gptq_int4(const float* w, int64_t n, int64_t k, int group_si
     std::vector<uint8_t> codes(static_cast<size_t>(k));
     for (int64_t g = 0; g < out.n_groups; ++g) {
       const int64_t begin = g * g_size, end = std::min(k, begin + g_size);
-      float lo = 0.f, hi = 0.f;  // the range always includes 0, as in GPTQ
-      for (int64_t i = begin; i < end; ++i) {
-        lo = std::min(lo, wr[i]);
-        hi = std::max(hi, wr[i]);
-      }
-      float scale, zero;
-      if (sym) {
-        float amax = std::max(-lo, hi);
-        if (amax == 0.f) amax = 1.f;
-        scale = 2.f * amax / 15.f;
-        zero = 8.f;
-      } else {
-        if (lo == 0.f && hi == 0.f) lo = -1.f, hi = 1.f;
-        scale = (hi - lo) / 15.f;
-        zero = 0.f;  // set below from the rounded scale
-      }
-      uint16_t scale_f16 = f32_to_f16(scale);
-      scale = f16_to_f32(scale_f16);
-      if (scale == 0.f) {  // below f16's range: the group is ~0, any scale represents it
-        scale_f16 = f32_to_f16(1e-7f);
-        scale = f16_to_f32(scale_f16);
-      }
-      if (!sym) zero = std::clamp(std::nearbyint(-lo / scale), 0.f, 15.f);
-      for (int64_t i = begin; i < end; ++i)
-        codes[i] = uint8_t(std::clamp(std::nearbyint(wr[i] / scale) + zero, 0.f, 15.f));
-      out.scales[g * n + row] = scale_f16;
-      zeros[g * n + row] = uint8_t(zero);
+      quantize_group(wr + begin, end - begin, sym, codes.data() + begin, out.scales[g * n + row], zeros[g * n + row]);
     }
     for (int64_t r = 0; r < k / 8; ++r) {
       uint32_t word = 0;
@@ -156,6 +162,32 @@ GptqPacked quantize_gptq_int4(const float* w, int64_t n, int64_t k, int group_si
     }
   }
   return out;
+}
+
+Int4Matrix quantize_int4(int64_t n, int64_t k, int group_size, bool sym,
+                         const std::function<void(int64_t row, float* out)>& row_f32) {
+  Int4Matrix m;
+  m.n = n;
+  m.k = k;
+  m.group_size = group_size > 0 ? group_size : k;
+  m.n_groups = (k + m.group_size - 1) / m.group_size;
+  m.codes.assign(size_t(n * m.row_bytes()), 0);
+  m.scales.resize(size_t(n * m.n_groups));
+  m.zeros.resize(size_t(n * m.n_groups));
+#pragma omp parallel for schedule(static) if (n * k >= (1 << 20))
+  for (int64_t row = 0; row < n; ++row) {
+    std::vector<float> w(static_cast<size_t>(k));
+    std::vector<uint8_t> codes(static_cast<size_t>(k));
+    row_f32(row, w.data());
+    for (int64_t g = 0; g < m.n_groups; ++g) {
+      const int64_t begin = g * m.group_size, end = std::min(k, begin + m.group_size);
+      quantize_group(w.data() + begin, end - begin, sym, codes.data() + begin, m.scales[size_t(row * m.n_groups + g)],
+                     m.zeros[size_t(row * m.n_groups + g)]);
+    }
+    uint8_t* dst = m.codes.data() + row * m.row_bytes();
+    for (int64_t i = 0; i < k; ++i) dst[i / 2] |= uint8_t(codes[size_t(i)] << (4 * (i % 2)));
+  }
+  return m;
 }
 
 }  // namespace nibble

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -59,5 +60,10 @@ struct GptqPacked {
   int64_t n_groups = 0;
 };
 GptqPacked quantize_gptq_int4(const float* w, int64_t n, int64_t k, int group_size, bool sym);
+
+// The same quantization straight into nibble's layout, a row at a time (row_f32 writes row `row`
+// of W as f32; called from several threads): --quantize-layers at load.
+Int4Matrix quantize_int4(int64_t n, int64_t k, int group_size, bool sym,
+                         const std::function<void(int64_t row, float* out)>& row_f32);
 
 }  // namespace nibble

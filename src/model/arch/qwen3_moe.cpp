@@ -52,8 +52,9 @@ class Qwen3Moe final : public Model {
       }
     }
     w_.final_norm = vector("model.norm.weight", H);
-    if (c.tie_word_embeddings && !src.has("lm_head"))
-      w_.lm_head = w_.embed;
+    if (c.tie_word_embeddings && !src.has("lm_head"))  // the embedding table, or its 4-bit copy
+      w_.lm_head = src.quantizes("lm_head") ? src.linear("model.embed_tokens", c.vocab_size, H, false, "lm_head")
+                                            : w_.embed;
     else
       w_.lm_head = linear("lm_head", c.vocab_size, H);
     RopeTable rope = make_rope_table(c);
