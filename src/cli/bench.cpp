@@ -157,7 +157,7 @@ void add_bench_command(CLI::App& app, int argc, char** argv) {
   cmd->add_option("-r,--repetitions", o->repetitions, "Repetitions (mean ± std)")->check(CLI::PositiveNumber);
   cmd->add_option("--json", o->json_path, "Also write the results as JSON to this file");
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
-  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16) or float32");
+  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16), float32 or fp8 (E4M3, half the bytes of float16)");
   cmd->add_option("--quantize-layers", o->quantize_layers,
                   "Quantize these 16-bit layers to INT4 at load (group 128): a list of lm_head, qkv, o");
   cmd->add_option("--temperature", o->temperature, "Decode sampling temperature (0: greedy, the default)");

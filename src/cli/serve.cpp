@@ -58,7 +58,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--device", o->device, "cpu or cuda");
   cmd->add_option("--reasoning-parser", o->reasoning_parser,
                   "Split <think> blocks into reasoning_content: auto (when the chat template uses them), qwen3, none");
-  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16) or float32");
+  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16), float32 or fp8 (E4M3, half the bytes of float16)");
   cmd->add_option("--quantize-layers", o->quantize_layers,
                   "Quantize these 16-bit layers to INT4 at load (group 128): a list of lm_head, qkv, o");
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");

@@ -165,7 +165,8 @@ template <int HD, int kThreads, typename T>
 __device__ __forceinline__ void prefetch_split_rows(const T* kbase, const T* vbase, const int32_t* block_table,
                                                     int block_size_log2, int64_t row_stride, int64_t begin,
                                                     int64_t split, int64_t written) {
-  constexpr int kPerLine = 128 / int(sizeof(T)), kLines = HD / kPerLine;  // 128-byte lines per row
+  // 128-byte lines per row (an E4M3 row of 64 dims is half a line: one)
+  constexpr int kPerLine = 128 / int(sizeof(T)), kLines = (HD + kPerLine - 1) / kPerLine;
   const int64_t rows = ::max(int64_t(0), ::min(split, written - begin));
   for (int64_t i = threadIdx.x; i < 2 * rows * kLines; i += kThreads) {
     const int64_t line = i % (rows * kLines), pos = begin + line / kLines;
@@ -293,7 +294,8 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
   decode_merge_last_split<G, HD, kDecodeThreads>(partial, out, counters, t, kv, group, n_head, n_splits, n_splits);
 }
 
-// Decode attention on the tensor cores for f16 KV: GQA groups of up to 16 q heads as the 16 rows
+// Decode attention on the tensor cores for f16 or FP8 E4M3 KV (T; E4M3 converted to f16 exactly as
+// it arrives, half the bytes per position): GQA groups of up to 16 q heads as the 16 rows
 // of mma.m16n8k16 (Qwen3-30B-A3B: 8 of 16 used), head_dim HD 64 or 128. Block (token, kv head,
 // split of SPLIT positions), WARPS warps; each warp takes tiles of 16 positions (every WARPS-th
 // tile of the split), FlashAttention-2 style with an online softmax in registers:
@@ -314,9 +316,9 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
 // shared memory is WARPS x ROWS x HD floats).
 constexpr int kDecodeTcTile = 16, kDecodeTcRows = 16;
 
-template <int HD, int SPLIT, int WARPS, int ROWS>
+template <int HD, int SPLIT, int WARPS, int ROWS, typename T>
 __global__ void __launch_bounds__(32 * WARPS)
-attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict__ k, const __half* __restrict__ v,
+attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const int32_t* __restrict__ tables, const int32_t* __restrict__ seq_rows,
                            int64_t table_stride, int block_size_log2,
                            float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
@@ -338,8 +340,8 @@ attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict
   const int32_t* block_table = kv_token_table(tables, seq_rows, table_stride, t);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int64_t row_stride = n_head_kv * HD;
-  const __half* kbase = k + kv * HD;
-  const __half* vbase = v + kv * HD;
+  const T* kbase = k + kv * HD;
+  const T* vbase = v + kv * HD;
   const int64_t begin = split * SPLIT;
   auto row_of = [&](int64_t pos) { return kv_pool_row(block_table, block_size_log2, pos) * row_stride; };
   // Splits past the token's position (the context bucket sizes the grid; the position is known
@@ -385,18 +387,16 @@ attention_decode_tc_kernel(const float* __restrict__ q, const __half* __restrict
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int64_t pos = p0 + 4 * (g / 2) + 2 * j + g % 2;
-      const __half* src = pos < end ? kbase + row_of(pos) + 8 * t4 : nullptr;
+      const T* src = pos < end ? kbase + row_of(pos) + 8 * t4 : nullptr;
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        kr[j][c] = src ? *reinterpret_cast<const uint4*>(src + 32 * c) : make_uint4(0, 0, 0, 0);
+      for (int c = 0; c < kChunks; ++c) kr[j][c] = src ? kv_load8_f16(src + 32 * c) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t pos = p0 + 4 * t4 + i;
-      const __half* src = pos < end ? vbase + row_of(pos) + kDimsPerGroup * g : nullptr;
+      const T* src = pos < end ? vbase + row_of(pos) + kDimsPerGroup * g : nullptr;
 #pragma unroll
-      for (int u = 0; u < kVUnits; ++u)
-        vr[i][u] = src ? *reinterpret_cast<const uint4*>(src + 8 * u) : make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < kVUnits; ++u) vr[i][u] = src ? kv_load8_f16(src + 8 * u) : make_uint4(0, 0, 0, 0);
     }
     // S (log2 units): s[j] = rows g, g + 8 x positions 4·t4 + 2j + {0, 1}.
     float s[2][4] = {};

@@ -1,6 +1,6 @@
 // Causal prefill attention on the tensor cores, FlashAttention-2 style (launcher:
 // backend/cuda/flash_attention.cu). Semantics of CpuBackend::attention: q [m, n_head, HD] f32,
-// the paged K/V cache (backend/kv_pages.h, rows [n_head_kv, HD] of T = f32 or f16), token t
+// the paged K/V cache (backend/kv_pages.h, rows [n_head_kv, HD] of T = f32, f16 or FP8 E4M3), token t
 // attends sequence positions 0..positions[t], q head h reads kv head h / group, out [m, n_head,
 // HD] f32.
 //
@@ -118,10 +118,12 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
   const int n_ctx = block_max + 1;  // cache rows the block reads; later rows are zero-filled
   const int n_tiles = (n_ctx + kFlashBN - 1) / kFlashBN;
 
-  // Four consecutive elements of a row per load, kept as f16 (f32 rows converted on arrival).
+  // Four consecutive elements of a row per load, kept as f16 (f32 and E4M3 rows converted on arrival).
   uint2 pre_k[Tile::kLoads], pre_v[Tile::kLoads];
   auto load4 = [](const T* p) {
-    if constexpr (sizeof(T) == 2) {
+    if constexpr (sizeof(T) == 1) {
+      return kv_load4_f16(p);
+    } else if constexpr (sizeof(T) == 2) {
       return *reinterpret_cast<const uint2*>(p);
     } else {
       const float4 x = *reinterpret_cast<const float4*>(p);

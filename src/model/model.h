@@ -105,7 +105,7 @@ class Model {
   // per request, and their graphs would otherwise pile up on the device).
   void release_graphs(const KvCache& kv);
   // A cache for one sequence of up to max_tokens positions, of the model's KV dtype (F16 unless
-  // set_kv_dtype chose F32), in blocks of 2^block_size_log2 positions.
+  // set_kv_dtype chose F32 or F8_E4M3), in blocks of 2^block_size_log2 positions.
   virtual KvCache make_kv_cache(int64_t max_tokens, int block_size_log2 = KvCache::kDefaultBlockSizeLog2) const {
     return KvCache(backend_, config_.num_hidden_layers, max_tokens, config_.num_key_value_heads, config_.head_dim,
                    kv_dtype_, block_size_log2);
@@ -121,7 +121,7 @@ class Model {
                                    kv_dtype_, block_size_log2);
   }
   void set_kv_dtype(DType dtype) {
-    NIBBLE_CHECK(kv_dtype_supported(dtype), "KV cache dtype {} is not supported (F16 or F32)", dtype_name(dtype));
+    NIBBLE_CHECK(kv_dtype_supported(dtype), "KV cache dtype {} is not supported (F16, F32 or F8_E4M3)", dtype_name(dtype));
     kv_dtype_ = dtype;
   }
   DType kv_dtype() const { return kv_dtype_; }
@@ -192,7 +192,7 @@ struct LoadOptions {
   // quantize_group_size.
   std::vector<std::string> quantize_layers;
   int quantize_group_size = 128;
-  DType kv_cache_dtype = DType::F16;  // F16 or F32 (--kv-cache-dtype)
+  DType kv_cache_dtype = DType::F16;  // F16, F32 or F8_E4M3 (--kv-cache-dtype)
 };
 
 // Parses --quantize-layers ("lm_head,qkv,o"; "" is none): Error naming an unknown or unsupported layer.

@@ -118,7 +118,8 @@ RopeTable make_rope_table(const ModelConfig& config) {
 DType parse_kv_cache_dtype(const std::string& name) {
   if (name == "auto" || name == "float16" || name == "fp16" || name == "f16") return DType::F16;
   if (name == "float32" || name == "fp32" || name == "f32") return DType::F32;
-  fail("--kv-cache-dtype '{}': expected auto, float16 or float32", name);
+  if (name == "fp8" || name == "fp8_e4m3") return DType::F8_E4M3;
+  fail("--kv-cache-dtype '{}': expected auto, float16, float32 or fp8 (fp8_e4m3)", name);
 }
 
 }  // namespace nibble

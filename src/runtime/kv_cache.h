@@ -17,7 +17,7 @@ namespace nibble {
 
 // KV element types a cache can hold: F16 (the default, as llama.cpp's) or F32 (exact, for the
 // reference comparisons against transformers).
-inline bool kv_dtype_supported(DType t) { return t == DType::F16 || t == DType::F32; }
+inline bool kv_dtype_supported(DType t) { return t == DType::F16 || t == DType::F32 || t == DType::F8_E4M3; }
 
 class KvCache {
  public:
@@ -27,7 +27,7 @@ class KvCache {
           DType dtype = DType::F16, int block_size_log2 = kDefaultBlockSizeLog2)
       : backend_(&backend), id_(next_id()), max_tokens_(max_tokens), row_(n_head_kv * head_dim), dtype_(dtype),
         block_size_log2_(block_size_log2) {
-    NIBBLE_CHECK(kv_dtype_supported(dtype), "KV cache: dtype {} is not supported (F16 or F32)", dtype_name(dtype));
+    NIBBLE_CHECK(kv_dtype_supported(dtype), "KV cache: dtype {} is not supported (F16, F32 or F8_E4M3)", dtype_name(dtype));
     NIBBLE_CHECK(block_size_log2 >= 0 && block_size_log2 <= 10, "KV cache: block size 2^{} out of range",
                  block_size_log2);
     const int64_t block = int64_t(1) << block_size_log2;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 
+#include "runtime/kv_cache.h"
+
 namespace nibble {
 
 KvPool::KvPool(Backend& backend, int64_t n_layers, int64_t n_blocks, int64_t n_head_kv, int64_t head_dim,
@@ -11,7 +13,7 @@ KvPool::KvPool(Backend& backend, int64_t n_layers, int64_t n_blocks, int64_t n_h
       block_size_log2_(block_size_log2) {
   static std::atomic<uint64_t> counter{0};
   id_ = ++counter;
-  NIBBLE_CHECK(dtype == DType::F16 || dtype == DType::F32, "KV pool: dtype {} is not supported (F16 or F32)",
+  NIBBLE_CHECK(kv_dtype_supported(dtype), "KV pool: dtype {} is not supported (F16, F32 or F8_E4M3)",
                dtype_name(dtype));
   NIBBLE_CHECK(block_size_log2 >= 0 && block_size_log2 <= 10, "KV pool: block size 2^{} out of range",
                block_size_log2);
@@ -21,12 +23,14 @@ KvPool::KvPool(Backend& backend, int64_t n_layers, int64_t n_blocks, int64_t n_h
   // Zeroed (as vLLM's torch.zeros): all of it resident from the start, so the server's memory
   // does not creep up as the free list cycles through blocks never touched before (a load test's
   // leak check would see that as growth), and no block ever holds garbage.
+  // fill_random with an empty range writes zeros; E4M3's zero is the byte 0.
+  const DType fill = dtype == DType::F8_E4M3 ? DType::U8 : dtype;
   const int64_t elements = int64_t(bytes / dtype_size_bytes(dtype));
   for (int64_t i = 0; i < n_layers; ++i) {
     k_.emplace_back(backend, bytes);
     v_.emplace_back(backend, bytes);
-    backend.fill_random(k_.back().data(), dtype, elements, 0.f, 0.f, 0);
-    backend.fill_random(v_.back().data(), dtype, elements, 0.f, 0.f, 0);
+    backend.fill_random(k_.back().data(), fill, elements, 0.f, 0.f, 0);
+    backend.fill_random(v_.back().data(), fill, elements, 0.f, 0.f, 0);
   }
   host_table_.assign(size_t((n_rows + 1) * blocks_per_row), 0);
   table_ = Buffer(backend, host_table_.size() * sizeof(int32_t));

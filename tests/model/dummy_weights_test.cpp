@@ -66,7 +66,7 @@ TEST(DummyWeights, BackendsAgree) {
   auto cpu = make_cpu_backend();
   for (auto [q, dir] : {std::pair<const char*, std::string>{"", kTinyMoe}, {"int4", kTinyMoe},
                         {"", decode_shaped_config()}, {"int4", decode_shaped_config()}}) {
-    for (DType kv_dtype : {DType::F32, DType::F16}) {
+    for (DType kv_dtype : {DType::F32, DType::F16, DType::F8_E4M3}) {
       auto want = dummy_logits(*cpu, q, dir, kv_dtype), got = dummy_logits(*gpu, q, dir, kv_dtype);
       ASSERT_EQ(want.size(), got.size());
       double diff = 0, ref = 0;
@@ -81,7 +81,12 @@ TEST(DummyWeights, BackendsAgree) {
       const bool f16 = (std::string(q) == "int4" && dir != kTinyMoe) || kv_dtype == DType::F16;
       std::printf("  cuda vs cpu, quantization '%s', %s KV, %s: %.2e\n", q, dtype_name(kv_dtype).data(), dir.c_str(),
                   diff / ref);
-      EXPECT_LE(diff / ref, f16 ? 2e-3 : 1e-4) << "quantization '" << q << "', " << dir;
+      // E4M3: each side rounds its own K/V to 3 mantissa bits; an element whose values on the two
+      // sides straddle a rounding boundary differs by a whole step (1/16 to 1/8 of it). With f16
+      // activations (INT4 at the decode shapes: K/V already 1e-3 apart) more elements straddle:
+      // 2.3e-2 measured on an H100, 2.7e-3 with f32 math.
+      const double tolerance = kv_dtype == DType::F8_E4M3 ? 5e-2 : f16 ? 2e-3 : 1e-4;
+      EXPECT_LE(diff / ref, tolerance) << "quantization '" << q << "', " << dir << ", " << dtype_name(kv_dtype);
     }
   }
 }

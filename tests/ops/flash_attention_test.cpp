@@ -64,6 +64,12 @@ TEST_F(FlashAttentionTest, F32Cache) {
     for (int64_t m : {9, 300}) check(s, m, 70, false, DType::F32);
 }
 
+// E4M3 K/V pools (--kv-cache-dtype fp8: converted to f16 exactly as the tiles are staged).
+TEST_F(FlashAttentionTest, E4m3Cache) {
+  for (Shape s : {Shape{32, 4, 128}, Shape{8, 8, 64}})
+    for (int64_t m : {9, 300}) check(s, m, 70, false, DType::F8_E4M3);
+}
+
 // Positions in random order: each block's causal limit is the max over its rows, every row masks
 // on its own position.
 TEST_F(FlashAttentionTest, UnorderedPositions) {

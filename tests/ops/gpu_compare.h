@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/fp8.h"
 #include "core/status.h"
 
 #include <fmt/format.h>
@@ -98,6 +99,7 @@ class GpuCompareTest : public ::testing::Test {
     float at(const std::vector<uint8_t>& pool, int64_t r, int64_t i) const {
       const size_t e = size_t(r * row + i);
       if (dtype == DType::F32) return reinterpret_cast<const float*>(pool.data())[e];
+      if (dtype == DType::F8_E4M3) return e4m3_to_f32(pool[e]);
       return f16_to_f32(reinterpret_cast<const uint16_t*>(pool.data())[e]);
     }
   };
@@ -116,6 +118,8 @@ class GpuCompareTest : public ::testing::Test {
     for (auto* pool : {&kv.k, &kv.v}) {
       if (dtype == DType::F32)
         std::fill_n(reinterpret_cast<float*>(pool->data()), elements, std::numeric_limits<float>::quiet_NaN());
+      else if (dtype == DType::F8_E4M3)
+        std::fill_n(pool->data(), elements, uint8_t(0x7f));  // E4M3 NaN
       else
         std::fill_n(reinterpret_cast<uint16_t*>(pool->data()), elements, uint16_t(0x7e00));  // f16 NaN
     }
@@ -130,6 +134,8 @@ class GpuCompareTest : public ::testing::Test {
           const size_t e = size_t(kv.pool_row(p) * kv.row + i);
           if (kv.dtype == DType::F32)
             reinterpret_cast<float*>(pool->data())[e] = x[size_t(p * kv.row + i)];
+          else if (kv.dtype == DType::F8_E4M3)
+            (*pool)[e] = f32_to_e4m3(x[size_t(p * kv.row + i)]);
           else
             reinterpret_cast<uint16_t*>(pool->data())[e] = f32_to_f16(x[size_t(p * kv.row + i)]);
         }
@@ -179,7 +185,7 @@ class GpuCompareTest : public ::testing::Test {
     gpu_->attention(on_gpu(q), kv.gpu(), m, on_gpu(positions), max_context, s.n_head, s.n_head_kv, s.head_dim,
                     scale, out);
     expect_close(to_host(out, int64_t(want.size())), want,
-                 what + (kv_dtype == DType::F16 ? " f16 KV" : " f32 KV") + fmt::format(" block {}", 1 << block_log2),
+                 what + fmt::format(" {} KV block {}", dtype_name(kv_dtype), 1 << block_log2),
                  tolerance);
   }
 

@@ -14,6 +14,8 @@
 #include <thread>
 
 #include "core/status.h"
+#include "model/model.h"
+#include "runtime/generate.h"
 #include "server/openai_server.h"
 
 namespace nibble {
@@ -404,6 +406,44 @@ TEST(ServerKvCache, BadSizesAreRefusedAtStart) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--block-size"), std::string::npos) << e.what();
   }
+}
+
+// The bytes-for-accuracy options through the server: an E4M3 KV pool and a 4-bit lm_head. Four
+// clients at once get what they get one at a time (rows of one batched step over the E4M3 pool),
+// which is `nibble run`'s answer with the same options, and the pool is whole again after.
+TEST(ServerKvCache, Fp8CacheAndFourBitHeadServe) {
+  ServeOptions o;
+  o.kv_cache_dtype = "fp8";
+  o.quantize_layers = "lm_head";
+  OwnServer server(o);
+  auto ask = [&](int i) {
+    return post(server.port, "/v1/completions",
+                {{"model", "tiny"}, {"prompt", "def task_" + std::to_string(i) + "(items):"}, {"max_tokens", 20},
+                 {"temperature", 0}})
+        .j()["choices"][0]["text"]
+        .get<std::string>();
+  };
+  std::vector<std::string> alone, together(4);
+  for (int i = 0; i < 4; ++i) alone.push_back(ask(i));
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 4; ++i) clients.emplace_back([&, i] { together[size_t(i)] = ask(i); });
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(together, alone);
+  EXPECT_EQ(metric(server.port, "nibble_kv_cache_blocks_used"), 0);
+
+  auto backend = make_cpu_backend();
+  LoadOptions load;
+  load.kv_cache_dtype = DType::F8_E4M3;
+  load.quantize_layers = {"lm_head"};
+  const std::string dir = std::string(NIBBLE_MODELS_DIR) + "/nibble-tiny-coder";
+  auto model = load_model(dir, *backend, load);
+  Tokenizer tok = Tokenizer::from_file(dir + "/tokenizer.json");
+  GenerateRequest req;
+  req.prompt = tok.encode("def task_2(items):");
+  req.max_new_tokens = 20;
+  req.max_context = 256;
+  req.sampling.temperature = 0;
+  EXPECT_EQ(generate(*model, tok, req, [](const GeneratedToken&, std::string_view) {}).text, alone[2]);
 }
 
 TEST(ServerAuth, ApiKeyIsRequiredOnV1Routes) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "core/fp8.h"
 #include "core/status.h"
 
 namespace nibble {
@@ -62,6 +63,8 @@ class CpuBackend final : public Backend {
   LinearWeight prepare(const LinearWeight& w) override { return w; }
 
   void fill_random(void* dst, DType dtype, int64_t count, float lo, float hi, uint64_t seed) override {
+    NIBBLE_CHECK(dtype == DType::U8 || dtype == DType::BF16 || dtype == DType::F16 || dtype == DType::F32,
+                 "fill_random: {} is not supported", dtype_name(dtype));
 #pragma omp parallel for schedule(static) if (count >= (1 << 20))
     for (int64_t i = 0; i < count; ++i) {
       const float u = hash_uniform(seed, uint64_t(i));
@@ -131,19 +134,27 @@ class CpuBackend final : public Backend {
     }
   }
 
-  // Row r of a KV pool ([rows, n] of dtype F32 or F16) from / to f32.
+  // Row r of a KV pool ([rows, n] of dtype F32, F16 or F8_E4M3) from / to f32.
   static void store_kv_row(void* pool, DType dtype, int64_t r, const float* x, int64_t n) {
     if (dtype == DType::F32) {
       std::copy_n(x, n, static_cast<float*>(pool) + r * n);
-      return;
+    } else if (dtype == DType::F8_E4M3) {
+      uint8_t* dst = static_cast<uint8_t*>(pool) + r * n;
+      for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_e4m3(x[i]);
+    } else {
+      uint16_t* dst = static_cast<uint16_t*>(pool) + r * n;
+      for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_f16(x[i]);
     }
-    uint16_t* dst = static_cast<uint16_t*>(pool) + r * n;
-    for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_f16(x[i]);
   }
-  // Elements [offset, offset + n) of row r; f32 pools are returned in place, f16 ones via `scratch`.
+  // Elements [offset, offset + n) of row r; f32 pools are returned in place, others via `scratch`.
   static const float* load_kv(const void* pool, DType dtype, int64_t r, int64_t row, int64_t offset, int64_t n,
                               float* scratch) {
     if (dtype == DType::F32) return static_cast<const float*>(pool) + r * row + offset;
+    if (dtype == DType::F8_E4M3) {
+      const uint8_t* src = static_cast<const uint8_t*>(pool) + r * row + offset;
+      for (int64_t i = 0; i < n; ++i) scratch[i] = e4m3_to_f32(src[i]);
+      return scratch;
+    }
     const uint16_t* src = static_cast<const uint16_t*>(pool) + r * row + offset;
     for (int64_t i = 0; i < n; ++i) scratch[i] = f16_to_f32(src[i]);
     return scratch;

@@ -291,7 +291,7 @@ int64_t attention_partial_floats(int64_t m, int64_t max_context, int64_t n_head,
 
 bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int64_t head_dim, DType kv_dtype) {
   const int64_t group = n_head / n_head_kv;
-  return (head_dim == 64 || head_dim == 128) && group <= (kv_dtype == DType::F16 ? kernels::kDecodeTcRows : 8) &&
+  return (head_dim == 64 || head_dim == 128) && group <= (kv_dtype != DType::F32 ? kernels::kDecodeTcRows : 8) &&
          m * n_head_kv <= kAttentionMaxPairs;
 }
 
@@ -310,17 +310,20 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
                       int64_t head_dim, float scale) {
   if (!attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) return false;
   const int64_t group = n_head / n_head_kv;
-  if (kv.dtype == DType::F16) {
+  if (kv.dtype != DType::F32) {  // f16 or E4M3: the tensor-core kernel
     const int split = decode_tc_split(max_context);
     const int64_t n_splits = (max_context + split - 1) / split;
     const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
-    const auto* k = static_cast<const __half*>(kv.k);
-    const auto* v = static_cast<const __half*>(kv.v);
     const float scale_log2 = scale * 1.4426950408889634f;
     auto launch = [&](auto HD, auto SPLIT, auto WARPS, auto ROWS) {
-      launch_pdl(kernels::attention_decode_tc_kernel<HD.value, SPLIT.value, WARPS.value, ROWS.value>, grid,
-                 32 * WARPS.value, q, k, v, kv.block_table, kv.seq_rows, kv.table_stride, kv.block_size_log2, partial, out, counters, positions,
-                 n_head, n_head_kv, scale_log2, n_splits);
+      kernels::with_kv_element(kv.dtype, [&](auto element) {
+        using T = decltype(element);
+        if constexpr (!std::is_same_v<T, float>)
+          launch_pdl(kernels::attention_decode_tc_kernel<HD.value, SPLIT.value, WARPS.value, ROWS.value, T>, grid,
+                     32 * WARPS.value, q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v), kv.block_table,
+                     kv.seq_rows, kv.table_stride, kv.block_size_log2, partial, out, counters, positions, n_head,
+                     n_head_kv, scale_log2, n_splits);
+      });
     };
     auto with_rows = [&](auto HD, auto SPLIT) {
       if (group > 8)

@@ -1,6 +1,9 @@
-// --quantize-layers (LoadOptions::quantize_layers): 16-bit layers quantized to INT4 at load, and
-// what that costs in accuracy against the same model's 16-bit layers on the same backend, over
-// real code text (the bundled model's fixture prompt, every position's logits):
+// The options that trade accuracy for bytes, and what each costs against the same model without
+// it on the same backend, over real code text (the bundled model's fixture prompt and greedy
+// continuation, every position's logits):
+//   --quantize-layers (LoadOptions::quantize_layers): 16-bit layers quantized to INT4 at load;
+//   --kv-cache-dtype fp8 (LoadOptions::kv_cache_dtype F8_E4M3) against the f16 cache.
+// Models:
 //   - the bundled model (trained weights; its lm_head is tied to the embedding table, so the
 //     4-bit lm_head is a copy of the table while the lookup keeps the 16-bit one);
 //   - tests/fixtures/models/tiny-qwen3-moe (random weights, a separate lm_head).
@@ -37,7 +40,7 @@ std::vector<float> all_logits(Model& model, const std::vector<int32_t>& prompt) 
   return logits;
 }
 
-class QuantizeLayersTest : public ::testing::TestWithParam<std::string> {
+class PrecisionOptionsTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     try {
@@ -51,11 +54,9 @@ class QuantizeLayersTest : public ::testing::TestWithParam<std::string> {
     for (int32_t id : test::read_tensor<int32_t>(*f, "greedy_ids")) prompt_.push_back(id);
   }
 
-  Accuracy measure(const std::string& dir, std::vector<std::string> layers, const std::vector<int32_t>& prompt) {
+  Accuracy measure(const std::string& dir, const LoadOptions& load, const std::vector<int32_t>& prompt) {
     auto base_model = load_model(dir, *backend_);
     const std::vector<float> base = all_logits(*base_model, prompt);
-    LoadOptions load;
-    load.quantize_layers = std::move(layers);
     auto model = load_model(dir, *backend_, load);
     const std::vector<float> got = all_logits(*model, prompt);
     const int64_t vocab = model->config().vocab_size, n = int64_t(prompt.size());
@@ -84,15 +85,16 @@ class QuantizeLayersTest : public ::testing::TestWithParam<std::string> {
       }
     }
     a.top1_agreement = double(same) / double(n);
-    a.bytes_per_token = model->weight_bytes_per_token();
-    EXPECT_LT(a.bytes_per_token, base_model->weight_bytes_per_token()) << "nothing was quantized";
+    a.bytes_per_token = model->weight_bytes_per_token() + model->kv_bytes_per_context_token();
+    EXPECT_LT(a.bytes_per_token, base_model->weight_bytes_per_token() + base_model->kv_bytes_per_context_token())
+        << "nothing was made smaller";
     return a;
   }
   std::unique_ptr<Backend> backend_;
   std::vector<int32_t> prompt_;
 };
 
-TEST_P(QuantizeLayersTest, AccuracyAgainstTheSixteenBitLayers) {
+TEST_P(PrecisionOptionsTest, QuantizeLayersAgainstSixteenBitLayers) {
   struct Case {
     std::string model;
     std::vector<std::string> layers;
@@ -117,12 +119,41 @@ TEST_P(QuantizeLayersTest, AccuracyAgainstTheSixteenBitLayers) {
     std::vector<int32_t> prompt = prompt_;
     if (c.model == tiny)
       for (auto& id : prompt) id %= 400;
-    const Accuracy a = measure(c.model, c.layers, prompt);
+    LoadOptions load;
+    load.quantize_layers = c.layers;
+    const Accuracy a = measure(c.model, load, prompt);
     const std::string what = fmt::format("{} --quantize-layers {} on {}", c.model.substr(c.model.rfind('/') + 1),
                                          layers, GetParam());
     std::cout << "  " << what << ": max relative logit error " << a.relative_error << ", mean KL " << a.mean_kl
               << " nats, top-1 agreement " << a.top1_agreement * 100 << "% of " << prompt.size() << " positions, "
-              << a.bytes_per_token << " weight bytes per token\n";
+              << a.bytes_per_token << " bytes per token (weights + one position of KV)\n";
+    EXPECT_GT(a.relative_error, 0) << what << ": the logits did not change";
+    EXPECT_LE(a.relative_error, c.max_error) << what;
+    EXPECT_LE(a.mean_kl, c.max_kl) << what;
+    EXPECT_GE(a.top1_agreement, c.min_agreement) << what;
+  }
+}
+
+// The prompt is short (40 positions), so decode attention reads few rows: the error is that of the
+// rounded K and V themselves (3 mantissa bits, no scale) on every layer.
+TEST_P(PrecisionOptionsTest, Fp8KvCacheAgainstF16) {
+  struct Case {
+    std::string model;
+    double max_error, max_kl, min_agreement;
+  };
+  const Case cases[] = {{std::string(NIBBLE_MODELS_DIR) + "/nibble-tiny-coder", 0.15, 0.03, 0.95},
+                        {std::string(NIBBLE_FIXTURES_DIR) + "/models/tiny-qwen3-moe", 0.3, 0.03, 0.7}};
+  for (const Case& c : cases) {
+    std::vector<int32_t> prompt = prompt_;
+    if (c.model.ends_with("tiny-qwen3-moe"))
+      for (auto& id : prompt) id %= 400;
+    LoadOptions load;
+    load.kv_cache_dtype = DType::F8_E4M3;
+    const Accuracy a = measure(c.model, load, prompt);
+    const std::string what =
+        fmt::format("{} --kv-cache-dtype fp8 on {}", c.model.substr(c.model.rfind('/') + 1), GetParam());
+    std::cout << "  " << what << ": max relative logit error " << a.relative_error << ", mean KL " << a.mean_kl
+              << " nats, top-1 agreement " << a.top1_agreement * 100 << "% of " << prompt.size() << " positions\n";
     EXPECT_GT(a.relative_error, 0) << what << ": the logits did not change";
     EXPECT_LE(a.relative_error, c.max_error) << what;
     EXPECT_LE(a.mean_kl, c.max_kl) << what;
@@ -146,7 +177,7 @@ TEST(QuantizeLayers, BadListsAreRefused) {
   EXPECT_NE(message("router").find("not supported yet"), std::string::npos) << message("router");
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, QuantizeLayersTest, ::testing::Values("cpu", "cuda"),
+INSTANTIATE_TEST_SUITE_P(Backends, PrecisionOptionsTest, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
