@@ -34,11 +34,6 @@ __device__ __forceinline__ uint4 kv_load8_f16(const __nv_fp8_e4m3* p) {
   return make_uint4(e4m3x2_to_f16x2(uint16_t(b.x)), e4m3x2_to_f16x2(uint16_t(b.x >> 16)),
                     e4m3x2_to_f16x2(uint16_t(b.y)), e4m3x2_to_f16x2(uint16_t(b.y >> 16)));
 }
-// 4 consecutive E4M3 elements (4-byte aligned) as 4 f16 values in a uint2.
-__device__ __forceinline__ uint2 kv_load4_f16(const __nv_fp8_e4m3* p) {
-  const uint32_t b = *reinterpret_cast<const uint32_t*>(p);
-  return make_uint2(e4m3x2_to_f16x2(uint16_t(b)), e4m3x2_to_f16x2(uint16_t(b >> 16)));
-}
 
 // Host side: calls f(T()) with T the pool's element type (__half for F16, __nv_fp8_e4m3 for
 // F8_E4M3, else float), so a launcher instantiates its kernel for each without repeating the branch.
