@@ -10,10 +10,11 @@
 namespace nibble {
 
 std::vector<BatchDecodeResult> run_batch_decode(Model& model, const std::vector<int64_t>& batches, int64_t depth,
-                                                int64_t steps, int repetitions, uint64_t seed) {
+                                                int64_t steps, int repetitions, uint64_t seed,
+                                                int64_t traced_steps) {
   using Clock = std::chrono::steady_clock;
   const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
-  const int64_t block = 16, per_row = (depth + steps * (repetitions + 1) + block) / block + 1;
+  const int64_t block = 16, per_row = (depth + steps * (repetitions + 1) + traced_steps + block) / block + 1;
   auto pool = model.make_kv_pool(max_batch * per_row + 1, 4, max_batch, per_row);
   for (int64_t r = 0; r < max_batch; ++r) {
     std::vector<int32_t> blocks;
@@ -63,7 +64,17 @@ std::vector<BatchDecodeResult> run_batch_decode(Model& model, const std::vector<
     double mean = 0, var = 0;
     for (double r : rates) mean += r / double(rates.size());
     for (double r : rates) var += (r - mean) * (r - mean) / double(rates.size());
-    results.push_back({batch, depth, 1e3 * double(batch) / mean, mean, std::sqrt(var)});
+    BatchDecodeResult result;
+    result.batch = batch;
+    result.depth = depth;
+    result.step_ms = 1e3 * double(batch) / mean;
+    result.tok_s = mean;
+    result.tok_s_std = std::sqrt(var);
+    if (traced_steps > 0 && model.backend().start_trace(&result.profile_error)) {
+      for (int64_t s = 0; s < traced_steps; ++s) step();
+      result.profile = profile_steps(model.backend().stop_trace(), traced_steps);
+    }
+    results.push_back(std::move(result));
   }
   model.release_graphs(*pool);
   return results;

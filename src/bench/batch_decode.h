@@ -7,6 +7,9 @@
 #include <cstdint>
 #include <vector>
 
+#include <string>
+
+#include "bench/profile.h"
 #include "model/model.h"
 
 namespace nibble {
@@ -14,9 +17,13 @@ namespace nibble {
 struct BatchDecodeResult {
   int64_t batch = 0, depth = 0;
   double step_ms = 0, tok_s = 0, tok_s_std = 0;
+  StepProfile profile;        // traced_steps > 0: where a step's device time goes
+  std::string profile_error;  // why there is no profile
 };
 
+// traced_steps > 0: after the timed steps, that many more under a device trace (bench --profile).
 std::vector<BatchDecodeResult> run_batch_decode(Model& model, const std::vector<int64_t>& batches, int64_t depth,
-                                                int64_t steps, int repetitions, uint64_t seed);
+                                                int64_t steps, int repetitions, uint64_t seed,
+                                                int64_t traced_steps = 0);
 
 }  // namespace nibble

@@ -99,7 +99,7 @@ void bench(const BenchOptions& o) {
     for (int64_t d : sweep.depths)
       for (const BatchDecodeResult& b :
            run_batch_decode(*model, parse_list(o.batches, "--batch"), d, std::max<int64_t>(o.generate, 8), o.repetitions,
-                            sweep.seed)) {
+                            sweep.seed, sweep.profile_steps)) {
         fmt::print("| {} | {} | {:.2f} | {:.1f} ± {:.1f} |\n", b.batch, b.depth, b.step_ms, b.tok_s, b.tok_s_std);
         std::fflush(stdout);
         batched.push_back(b);
@@ -111,6 +111,13 @@ void bench(const BenchOptions& o) {
       fmt::print("\nno profile at depth {}: {}\n", r.depth, r.profile_error);
     else
       fmt::print("\n### Decode step at depth {}\n\n{}", r.depth, format_profile(r.profile));
+  }
+  for (auto& b : batched) {
+    if (!o.profile) continue;
+    if (b.profile.steps == 0)
+      fmt::print("\nno profile of batch {} at depth {}: {}\n", b.batch, b.depth, b.profile_error);
+    else
+      fmt::print("\n### Batched decode step, batch {} at depth {}\n\n{}", b.batch, b.depth, format_profile(b.profile));
   }
   if (!o.json_path.empty()) {
     const std::time_t now = std::time(nullptr);
@@ -129,9 +136,14 @@ void bench(const BenchOptions& o) {
       j["results"].push_back({{"test", r.test}, {"depth", r.depth}, {"tok_s", r.tok_s_mean}, {"tok_s_std", r.tok_s_std},
                               {"ttft_ms", r.ttft_ms_mean}, {"bytes_per_token", r.bytes_per_token},
                               {"gb_s", r.gb_s}, {"roofline_pct", r.roofline_pct}});
-    for (auto& b : batched)
-      j["batched"].push_back({{"batch", b.batch}, {"depth", b.depth}, {"step_ms", b.step_ms}, {"tok_s", b.tok_s},
-                              {"tok_s_std", b.tok_s_std}});
+    for (auto& b : batched) {
+      nlohmann::json row = {{"batch", b.batch}, {"depth", b.depth}, {"step_ms", b.step_ms}, {"tok_s", b.tok_s},
+                            {"tok_s_std", b.tok_s_std}};
+      for (const ProfileRow& k : b.profile.kernels)
+        row["profile"].push_back({{"kernel", k.name}, {"category", k.category}, {"calls_per_step", k.calls_per_step},
+                                  {"us_per_step", k.us_per_step}});
+      j["batched"].push_back(row);
+    }
     for (auto& r : results)
       for (const ProfileRow& row : r.profile.kernels)
         j["profile"].push_back({{"depth", r.depth}, {"kernel", row.name}, {"category", row.category},

@@ -291,7 +291,7 @@ class CudaBackend final : public Backend {
   // the GEMV kernels, 8 activation rows per launch; anything else on the exact kernels.
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
     OpProfiler::Scope scope(profiler_, w.format == WeightFormat::kInt4 ? "linear int4" : w.n > 100000 ? "lm_head" : "linear dense");
-    if (m > cuda::kGemvMaxM && gemm(w, x, m, out)) return;
+    if ((m > cuda::kGemvMaxM || dense_gemm_first(w, m)) && gemm(w, x, m, out)) return;
     if (!gemv_layout(w)) {
       if (w.format == WeightFormat::kInt4)
         cuda::linear_int4(w.int4.codes, w.int4.scales, w.int4.zeros, w.bias, x, out, m, w.n, w.k,
@@ -309,13 +309,14 @@ class CudaBackend final : public Backend {
   // in their prologue or the add in their store; everything else composes the plain ops.
   void rms_norm_linear(const float* x, const WeightVector& norm, float eps, const LinearWeight& w, int64_t m,
                        float* out) override {
-    if (m > cuda::kGemvMaxM || !gemv_layout(w)) return Backend::rms_norm_linear(x, norm, eps, w, m, out);
+    if (m > cuda::kGemvMaxM || !gemv_layout(w) || dense_gemm_first(w, m))
+      return Backend::rms_norm_linear(x, norm, eps, w, m, out);
     OpProfiler::Scope scope(profiler_, w.n > 100000 ? "lm_head" : "norm+linear");
     gemv(w, x, m, out, {norm.data, eps, false});
   }
 
   void linear_add(const LinearWeight& w, const float* a, int64_t m, float* x) override {
-    if (m > cuda::kGemvMaxM || !gemv_layout(w)) return Backend::linear_add(w, a, m, x);
+    if (m > cuda::kGemvMaxM || !gemv_layout(w) || dense_gemm_first(w, m)) return Backend::linear_add(w, a, m, x);
     OpProfiler::Scope scope(profiler_, "linear+add");
     gemv(w, a, m, x, {nullptr, 0.f, true});
   }
@@ -562,6 +563,18 @@ class CudaBackend final : public Backend {
  private:
   // Whether w is in a layout the decode GEMV kernels read (interleaved INT4, or dense rows whose
   // length is a whole number of 16-byte vectors per lane).
+  // An lm_head-sized 16-bit weight with 4 to 8 rows goes to the tensor-core GEMM, not the GEMV: the
+  // dense GEMV reads the weight once but does every row's products on the CUDA cores with x from
+  // shared memory, so its time grows with the rows (BF16 lm_head of Qwen3-30B-A3B on an H100: 214
+  // µs at 1 row, 1000 µs at 8), while the GEMM's stays near the weight's bandwidth time. Measured
+  // (BENCHMARKS.md, `nibble bench --batch`): the INT4 model with its BF16 head +2.5% at 4 rows,
+  // +5.6% at 8, -2% at 2 when tried; every dense weight of the BF16 model through the GEMM from 2
+  // rows lost 15-35% (smaller matrices: the GEMM's fixed cost dominates), hence both bounds.
+  static bool dense_gemm_first(const LinearWeight& w, int64_t m) {
+    return m >= 4 && w.format != WeightFormat::kInt4 && w.n * w.k >= (int64_t(1) << 27) &&
+           cuda::gemm_dense_supports(dense_type(w.format), w.k);
+  }
+
   static bool gemv_layout(const LinearWeight& w) {
     return w.format == WeightFormat::kInt4 ? w.int4.layout == Int4Layout::kWarpInterleaved
                                            : w.k % (32 * cuda::dense_per_vec(dense_type(w.format))) == 0;
