@@ -113,8 +113,9 @@ void info(const InfoOptions& o) {
     fmt::print("  {:<22} {:>6} tensors  {:>10} params  {}\n", name, f.tensors,
                human_count(double(f.params)), human_bytes(double(f.bytes)));
   fmt::print("weights read per decoded token: {}\n", human_bytes(bytes_per_token));
-  fmt::print("KV cache per token: {} in bf16 ({} in f32, as the CPU backend stores it)\n",
-             human_bytes(double(kv_elems_per_token * 2)), human_bytes(double(kv_elems_per_token * 4)));
+  fmt::print("KV cache per token: {} in f16 (the default), {} in fp8, {} in f32 (--kv-cache-dtype)\n",
+             human_bytes(double(kv_elems_per_token * 2)), human_bytes(double(kv_elems_per_token)),
+             human_bytes(double(kv_elems_per_token * 4)));
 }
 
 }  // namespace
