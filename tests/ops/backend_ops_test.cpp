@@ -126,6 +126,29 @@ TEST_F(OpsTest, Linear) {
   }
 }
 
+// An lm_head-sized 16-bit weight (2^27 elements and up) with 4-8 rows takes the tensor-core GEMM
+// instead of the GEMV (CudaBackend::dense_gemm_first), through linear and the fused norm form.
+TEST_F(OpsTest, LargeDenseWeightFewRows) {
+  const int64_t n = 65536, k = 2048;
+  LinearWeight host = random_weight(WeightFormat::kBF16, n, k);
+  LinearWeight dev = gpu_->upload(host);
+  const WeightVector norm = host_vector(random(k)), dev_norm = gpu_->upload(norm);
+  for (int64_t m : {3, 4, 8}) {
+    auto x = random(m * k);
+    std::vector<float> want(size_t(m * n)), normed(x.size());
+    cpu_->linear(host, x.data(), m, want.data());
+    float* out = poisoned_gpu(m * n);
+    gpu_->linear(dev, on_gpu(x), m, out);
+    expect_close(to_host(out, m * n), want, fmt::format("linear bf16 m={} n={} k={}", m, n, k));
+    cpu_->rms_norm(x.data(), norm, m, k, 1e-6f, normed.data());
+    cpu_->linear(host, normed.data(), m, want.data());
+    out = poisoned_gpu(m * n);
+    gpu_->rms_norm_linear(on_gpu(x), dev_norm, 1e-6f, dev, m, out);
+    expect_close(to_host(out, m * n), want, fmt::format("rms_norm_linear bf16 m={} n={} k={}", m, n, k));
+    release_buffers();
+  }
+}
+
 TEST_F(OpsTest, EmbedNormRopeElementwise) {
   for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kF16, WeightFormat::kBF16}) {
     LinearWeight table = random_weight(f, 301, 72);

@@ -137,17 +137,22 @@ struct GemvDense {
   }
 };
 
-// Dynamic shared memory above the 48 KB default needs an opt-in per kernel; done once per kernel
-// and size.
+// Shared memory above the 48 KB default (the kernel's static arrays plus `bytes` of dynamic) needs
+// an opt-in per kernel; done once per kernel and size. (Counting only the dynamic part let a
+// 41 KB staging plus an 8 KB static array fail to launch.)
 template <typename... Params>
 void allow_smem(void (*kernel)(Params...), size_t bytes) {
-  if (bytes <= 48 * 1024) return;
-  static std::unordered_map<const void*, size_t> allowed;  // host code, one thread launches
-  size_t& done = allowed[reinterpret_cast<const void*>(kernel)];
-  if (bytes > done) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-    done = bytes;
+  static std::unordered_map<const void*, std::pair<size_t, size_t>> seen;  // kernel -> static, allowed
+  auto [it, first] = seen.try_emplace(reinterpret_cast<const void*>(kernel), 0, 0);
+  if (first) {
+    cudaFuncAttributes attr{};
+    cudaFuncGetAttributes(&attr, kernel);
+    it->second.first = attr.sharedSizeBytes;
   }
+  auto& [static_bytes, allowed] = it->second;
+  if (static_bytes + bytes <= 48 * 1024 || bytes <= allowed) return;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  allowed = bytes;
 }
 
 template <kernels::DenseType T>
@@ -208,18 +213,34 @@ void dispatch_cpg(int64_t group_shift, Fn&& fn) {
 }
 
 // Warps along K per 16-row tile (KS) and tiles per block (NTB) of the tensor-core decode GEMV: one
-// group of 4 chunks per warp up to K = 8192, 4 warps a block where the tiles allow it.
+// group of 4 chunks per warp up to K = 8192, 4 warps a block where the tiles allow it. With m
+// rows every block stages all of them (normalised) from L2 before its products, so blocks of 2x
+// the tiles from 2 rows and 4x from 4 rows halve and quarter that staging, spread over more
+// threads. Measured (BENCHMARKS.md, `nibble bench --batch`, Qwen3-30B-A3B INT4, H100): batch 2
+// +3%, 4 +9%, 8 +10% aggregate tok/s; one row keeps the smaller blocks (more of them in flight).
 template <typename Fn>
-void dispatch_mma_split(int64_t k, Fn&& fn) {
+void dispatch_mma_split(int64_t k, Fn&& fn, int64_t m = 1) {
+  using std::integral_constant;
   const int64_t quads = (k / 256 + 3) / 4;
-  if (quads >= 5)
-    fn(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
-  else if (quads >= 3)
-    fn(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
-  else if (quads == 2)
-    fn(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
-  else
-    fn(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
+  if (quads >= 5) {
+    fn(integral_constant<int, 8>{}, integral_constant<int, 1>{});
+  } else if (quads >= 3) {
+    if (m >= 4)
+      fn(integral_constant<int, 4>{}, integral_constant<int, 4>{});
+    else if (m >= 2)
+      fn(integral_constant<int, 4>{}, integral_constant<int, 2>{});
+    else
+      fn(integral_constant<int, 4>{}, integral_constant<int, 1>{});
+  } else if (quads == 2) {
+    if (m >= 4)
+      fn(integral_constant<int, 2>{}, integral_constant<int, 8>{});
+    else if (m >= 2)
+      fn(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+    else
+      fn(integral_constant<int, 2>{}, integral_constant<int, 2>{});
+  } else {
+    fn(integral_constant<int, 1>{}, integral_constant<int, 4>{});
+  }
 }
 
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
@@ -233,7 +254,7 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
         allow_smem(kernel, smem);
         launch_pdl_smem(kernel, blocks_for((n + 15) / 16, NTB.value), 32 * KS.value * NTB.value, smem, kw, bias, x, y,
                         int(m), n, k, to_kernel(io));
-      });
+      }, m);
     });
   });
 }
