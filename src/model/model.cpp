@@ -89,14 +89,15 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
     step.cache = &kv;
     compute(step);
     if (token_id) {
+      // A picked token means the last token's logits only: one row.
       Buffer id(backend_, 4), in(backend_, sizeof(SampleInputs));
-      const std::pair<int64_t, const TokenPenalties*> row{rows - 1, penalties};
+      const std::pair<int64_t, const TokenPenalties*> row{0, penalties};
       if (penalties) penalize(out.data(), {&row, 1});
       if (sample) {
         backend_.copy_to_backend(in.data(), sample, sizeof(SampleInputs));
-        backend_.sample(out.data() + (rows - 1) * vocab, vocab, in.data<SampleInputs>(), id.data<int32_t>());
+        backend_.sample(out.data(), vocab, in.data<SampleInputs>(), id.data<int32_t>());
       } else {
-        backend_.argmax(out.data() + (rows - 1) * vocab, 1, vocab, id.data<int32_t>());
+        backend_.argmax(out.data(), 1, vocab, id.data<int32_t>());
       }
       backend_.copy_to_host(token_id, id.data(), 4);
     } else {

@@ -7,6 +7,7 @@
 
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/int4_args.cuh"
+#include "backend/cuda/smem_optin.cuh"
 #include "kernels/gemm_dense.cuh"
 #include "kernels/gemm_int4.cuh"
 #include "kernels/moe_prefill.cuh"
@@ -52,10 +53,6 @@ bool fits(const Tile&) {
   return Tile::kSmemBytes <= device_limits().smem_optin;
 }
 
-template <typename Kernel>
-void allow_smem(Kernel kernel, int bytes) {
-  if (bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-}
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -64,8 +61,7 @@ template <class Tile, GemmInt4Mode Mode>
 void launch_int4(const kernels::GemmInt4Params& p, int64_t grid_x) {
   constexpr int64_t out_cols = Mode == GemmInt4Mode::kMoeGateUp ? Tile::kBN / 2 : Tile::kBN;
   auto kernel = kernels::gemm_int4_kernel<Tile, Mode>;
-  static const bool configured = (allow_smem(kernel, Tile::kSmemBytes), true);
-  (void)configured;
+  allow_smem(kernel, size_t(Tile::kSmemBytes));  // memoised per kernel
   const dim3 grid(unsigned(grid_x), unsigned(ceil_div(p.n, out_cols)));
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes>>>(p);
 }
@@ -73,8 +69,7 @@ void launch_int4(const kernels::GemmInt4Params& p, int64_t grid_x) {
 template <class Tile, typename T>
 void launch_dense(const T* w, const float* bias, const float* x, float* y, int64_t m, int64_t n, int64_t k) {
   auto kernel = kernels::gemm_dense_split_kernel<Tile, T>;
-  static const bool configured = (allow_smem(kernel, Tile::kSmemBytes), true);
-  (void)configured;
+  allow_smem(kernel, size_t(Tile::kSmemBytes));  // memoised per kernel
   const dim3 grid(unsigned(ceil_div(m, Tile::kBM)), unsigned(ceil_div(n, Tile::kBN)));
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes>>>(w, bias, x, y, m, n, k);
 }

@@ -9,6 +9,7 @@
 
 #include "backend/cuda/int4_args.cuh"
 #include "backend/cuda/launch.h"
+#include "backend/cuda/smem_optin.cuh"
 #include "kernels/attention.cuh"
 #include "kernels/elementwise.cuh"
 #include "kernels/gemv.cuh"
@@ -136,24 +137,6 @@ struct GemvDense {
     });
   }
 };
-
-// Shared memory above the 48 KB default (the kernel's static arrays plus `bytes` of dynamic) needs
-// an opt-in per kernel; done once per kernel and size. (Counting only the dynamic part let a
-// 41 KB staging plus an 8 KB static array fail to launch.)
-template <typename... Params>
-void allow_smem(void (*kernel)(Params...), size_t bytes) {
-  static std::unordered_map<const void*, std::pair<size_t, size_t>> seen;  // kernel -> static, allowed
-  auto [it, first] = seen.try_emplace(reinterpret_cast<const void*>(kernel), 0, 0);
-  if (first) {
-    cudaFuncAttributes attr{};
-    cudaFuncGetAttributes(&attr, kernel);
-    it->second.first = attr.sharedSizeBytes;
-  }
-  auto& [static_bytes, allowed] = it->second;
-  if (static_bytes + bytes <= 48 * 1024 || bytes <= allowed) return;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-  allowed = bytes;
-}
 
 template <kernels::DenseType T>
 struct MoeRouter {
