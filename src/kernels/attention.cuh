@@ -13,6 +13,7 @@
 #include "kernels/linear.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/pdl.cuh"
+#include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
 
@@ -220,7 +221,9 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
   auto row_of = [&](int64_t pos) { return kv_pool_row(block_table, block_size_log2, pos) * row_stride; };
   prefetch_split_rows<HD, kDecodeThreads>(kbase, vbase, block_table, block_size_log2, row_stride, begin, SPLIT,
                                           positions[t]);
+  NIBBLE_TIMELINE_BLOCK(kAttention);
   pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
   const int64_t n_ctx = int64_t(positions[t]) + 1;
   const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT)), count = ::max(int64_t(0), end - begin);
 
@@ -349,9 +352,11 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   const int64_t n_ctx = int64_t(positions[t]) + 1;
   const int64_t n_active = ::min(n_splits, (n_ctx + SPLIT - 1) / SPLIT);
   if (split >= n_active) return;
+  NIBBLE_TIMELINE_BLOCK(kAttentionTc);
   prefetch_split_rows<HD, kThreads>(kbase, vbase, block_table, block_size_log2, row_stride, begin, SPLIT,
                                     positions[t]);
   pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
   const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT));
 
   // Q fragments: row r = head g + 8·(r % 2); k-step 2c + e holds dims 32c + 8·t4 + 4e + {0, 1}
@@ -428,6 +433,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     }
   }
 
+  NIBBLE_TIMELINE_MARK();
   // Merge the warps: (max, sum) per row, O rows; row r of this thread is head g + 8r.
 #pragma unroll
   for (int r = 0; r < ROWS / 8; ++r) {

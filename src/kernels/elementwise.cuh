@@ -7,6 +7,7 @@
 #include "core/hash_random.h"
 #include "kernels/linear.cuh"
 #include "kernels/pdl.cuh"
+#include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
 
@@ -26,7 +27,9 @@ __global__ void add_kernel(const float* __restrict__ x, int64_t count, float* __
 template <DenseType T>
 __global__ void embed_kernel(const void* __restrict__ table, const int32_t* __restrict__ ids,
                              int64_t dim, float* __restrict__ out) {
+  NIBBLE_TIMELINE_BLOCK(kEmbed);
   pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
   const int64_t t = blockIdx.x;
   const int64_t row = ids[t];
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[t * dim + i] = load_weight<T>(table, row * dim + i);
@@ -51,7 +54,9 @@ struct ArgmaxBest {
 
 __global__ void argmax_partial_kernel(const float* __restrict__ x, int64_t n, float* __restrict__ part_val,
                                       int32_t* __restrict__ part_idx) {
+  NIBBLE_TIMELINE_BLOCK(kArgmaxPartial);
   pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
   __shared__ ArgmaxBest s_best[32];
   const int64_t slice = (n + kArgmaxSplits - 1) / kArgmaxSplits;
   const int64_t begin = blockIdx.y * slice, end = ::min(n, begin + slice);
@@ -74,7 +79,9 @@ __global__ void argmax_partial_kernel(const float* __restrict__ x, int64_t n, fl
 
 __global__ void argmax_final_kernel(const float* __restrict__ part_val, const int32_t* __restrict__ part_idx,
                                     int32_t* __restrict__ out) {
+  NIBBLE_TIMELINE_BLOCK(kArgmaxFinal);
   pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
   ArgmaxBest best;
   for (int s = threadIdx.x; s < kArgmaxSplits; s += 32)
     best.merge(part_val[blockIdx.x * kArgmaxSplits + s], part_idx[blockIdx.x * kArgmaxSplits + s]);

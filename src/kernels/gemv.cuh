@@ -23,6 +23,7 @@
 #include "kernels/int4_weight.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/pdl.cuh"
+#include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
 
@@ -243,8 +244,10 @@ __global__ void gemv_dense_kernel(const void* __restrict__ w, const float* __res
                                   int64_t k, GemvIo io) {
   const int64_t first = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * R;
   const int64_t stride = int64_t(gridDim.x) * (blockDim.x / 32) * R;
+  NIBBLE_TIMELINE_BLOCK(kGemvDense);
   if (first < n) dense_rows_prefetch<T, R>(w, first, n, k);
   pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
   XRows<M, kNorm> xr{x, k, m, io.norm, {}};
   block_inv_rms(xr, k, io.eps);
   for (int64_t row0 = first; row0 < n; row0 += stride) {

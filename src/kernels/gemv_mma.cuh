@@ -37,6 +37,7 @@
 #include "kernels/int4_weight.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/pdl.cuh"
+#include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
 
@@ -257,9 +258,11 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
                                                                       int64_t k, GemvIo io) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int nt = warp / KS, kw = warp % KS;
+  NIBBLE_TIMELINE_BLOCK(kGemvInt4);
   MmaTile<CPG, KS> tile;
   tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw);  // weights need no predecessor
   pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
   // The values this block's store adds to (the residual) and the bias, fetched now so the loads
   // overlap the staging and the products instead of following them.
   constexpr int kStorePerThread = (4 + KS - 1) / KS;  // NTB · kGemvMaxM · 16 outputs over 32 · KS · NTB threads
@@ -277,6 +280,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
   __syncthreads();
+  NIBBLE_TIMELINE_MARK();
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, k, m), acc);
   __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
@@ -301,8 +305,9 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
 // silu(gate_e · x_t) * (up_e · x_t), x_t RMS-normalised first when kNorm. act is written as f16
 // in the decode mma order of a row of `inter` (stage 2 stages it with plain copies). A block has
 // KS warps along K on one 16-row tile of gate and KS on the same tile of up. Before the PDL wait
-// the block copies both expert tables (the matrices' descriptors) into shared memory, so after
-// it the first weight load follows the expert id by a shared-memory read, not another L2 trip.
+// the block copies both expert tables (the matrices' descriptors) into shared memory and stages
+// its token's row, so after it the first weight load follows the expert id by a shared-memory
+// read, not another L2 trip, and the products follow the weights.
 // Shared memory: the staged row, then copies of both expert tables.
 __host__ __device__ constexpr int64_t moe_gate_up_tables_offset(int64_t hidden) {
   return (mma_x_bytes(1, hidden) + 15) / 16 * 16;
@@ -318,6 +323,7 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
     int64_t inter, int64_t hidden, const float* __restrict__ norm, float eps) {
   static_assert(sizeof(Int4Weight) % 8 == 0);
   constexpr int kWords = int(sizeof(Int4Weight) / 8);
+  NIBBLE_TIMELINE_BLOCK(kMoeGateUp);
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   auto* tables = reinterpret_cast<Int4Weight*>(dynamic_smem() + moe_gate_up_tables_offset(hidden));
   for (int64_t i = threadIdx.x; i < 2 * n_experts * kWords; i += blockDim.x) {  // [gate | up]
@@ -325,19 +331,25 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
     const auto* src = reinterpret_cast<const uint64_t*>(i < per_table ? gate : up);
     reinterpret_cast<uint64_t*>(tables)[i] = __ldg(src + i % per_table);
   }
-  pdl_enter();  // the experts come from the router, the previous kernel
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int h = warp / KS, kw = warp % KS;  // h: 0 gate, 1 up
   const int64_t slot = blockIdx.y;          // token · top_k + s
   const int64_t tile0 = int64_t(blockIdx.x) * 16;
+  // x was last written before the router, the previous kernel, so it is complete when this one
+  // starts (pdl.cuh): it is staged (normalised) before the wait, and after it only the expert id
+  // stands between the wait and the first weight load. Staged after the wait, it queued behind
+  // those weight loads: 6.5 of the kernel's 10.4 µs passed before the products could start
+  // (in-kernel timeline, BENCHMARKS.md).
+  XRows<1, kNorm> xr{x + (slot / top_k) * hidden, hidden, 1, norm, {}};
+  mma_stage_x_normed(xr, int(hidden), eps, xs, int(mma_x_stride(hidden)));
+  NIBBLE_TIMELINE_MARK();
+  pdl_enter();  // the experts come from the router, the previous kernel
+  NIBBLE_TIMELINE_WAITED();
   const int32_t e = ids[slot];
-  __syncthreads();  // the tables
+  __syncthreads();  // the tables and the staged row
   const Int4Weight w = tables[h * n_experts + e];
   MmaTile<CPG, KS> tile;
   tile.start(w, tile0, inter, hidden, kw);
-  XRows<1, kNorm> xr{x + (slot / top_k) * hidden, hidden, 1, norm, {}};
-  mma_stage_x_normed(xr, int(hidden), eps, xs, int(mma_x_stride(hidden)));
-  __syncthreads();
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, hidden, 1), acc);
   __shared__ float partial[2][KS][16];
@@ -367,6 +379,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
     bool accumulate) {
   const int s = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t tok = blockIdx.y, tile0 = int64_t(blockIdx.x) * 16;
+  NIBBLE_TIMELINE_BLOCK(kMoeDown);
   MmaTile<CPG, 1> tile;
   Int4Weight wd{};
   if (s < top_k) {
@@ -377,6 +390,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   const bool mine = threadIdx.x < 16 && tile0 + threadIdx.x < hidden;
   const float prev = accumulate && mine ? out[tok * hidden + tile0 + threadIdx.x] : 0.f;
   pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
   // The slots' activation rows are already f16 in mma order: 16-byte copies.
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   const int units = int(inter / 8);
@@ -386,6 +400,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
         reinterpret_cast<const uint4*>(act + (tok * top_k + s2) * inter)[u];
   }
   __syncthreads();
+  NIBBLE_TIMELINE_MARK();
   float acc[kMmaChains][4] = {};
   if (s < top_k) tile.finish(wd, mma_x_units(xs + s * mma_x_stride(inter), inter, 1), acc);
   __shared__ float partial[kMoeDownSlots][16];

@@ -5,11 +5,14 @@
 // experts are distinct, and one launch handles one expert, so no two threads add to one element.
 #pragma once
 
+#include <cooperative_groups.h>
+
 #include <cstdint>
 
 #include "kernels/gemv.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/pdl.cuh"
+#include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
 
@@ -19,7 +22,8 @@ constexpr int kMoeMaxExpertsPerLane = 16;  // 512 experts
 
 // Routes one token, by one warp: softmax over logits[n_experts], top_k arg-max rounds, ids and
 // weights [top_k] written by lanes 0..top_k-1. Logits are read through L2 (__ldcg): in the fused
-// router they were written by other blocks of the same kernel.
+// router they were written by other blocks of the same kernel; kShared: from shared memory.
+template <bool kShared = false>
 __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t n_experts, int64_t top_k,
                                             bool normalize, int32_t* __restrict__ ids,
                                             float* __restrict__ weights) {
@@ -33,7 +37,7 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
   for (int i = 0; i < kMoeMaxExpertsPerLane; ++i) {
     if (i >= per_lane) break;
     const int64_t e = lane + 32 * i;
-    v[i] = e < n_experts ? __ldcg(l + e) : -INFINITY;
+    v[i] = e < n_experts ? (kShared ? l[e] : __ldcg(l + e)) : -INFINITY;
     mx = fmaxf(mx, v[i]);
   }
   for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
@@ -88,7 +92,9 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
 __global__ void moe_route_kernel(const float* __restrict__ logits, int64_t m, int64_t n_experts,
                                  int64_t top_k, bool normalize, int32_t* __restrict__ ids,
                                  float* __restrict__ weights) {
+  NIBBLE_TIMELINE_BLOCK(kMoeRoute);
   pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
   const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (t >= m) return;
   route_token(logits + t * n_experts, n_experts, top_k, normalize, ids + t * top_k, weights + t * top_k);
@@ -98,55 +104,48 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int64_t m, in
 // launch, one warp per expert row. Each lane loads its first kRouterVecs 16-byte vectors of the
 // row into registers before the PDL wait (the router is 0.5 MB: all of it is in flight at
 // once); after the wait x is staged in shared memory, normalised (in one pass for a single row),
-// and the dot products read it there. Every block writes its experts' logits, and the last block
-// to finish (a counter, reset by that block for the next launch) routes all m tokens: no second
-// launch and its latency per MoE layer.
+// and the dot products read it there. Then the logits of all blocks meet in one block, which
+// routes the m tokens: no second launch and its latency per MoE layer. Two ways to meet:
+//   moe_router_cluster_kernel (sm_90+, n_experts <= kRouterClusterExperts): the blocks are one
+//     thread-block cluster; each keeps its logits in shared memory and block 0 reads them over
+//     distributed shared memory after a cluster barrier.
+//   moe_router_kernel: every block writes its logits to global memory and the last block to
+//     finish (a counter, reset by that block for the next launch) reads them back. The fence, the
+//     atomic and the read are three dependent L2 round trips, which the in-kernel timeline
+//     (BENCHMARKS.md) put at ~4.5 µs of the router's 7.7 on the critical path of every layer.
 constexpr int kRouterVecs = 8;        // 2048 bf16 per lane-strided row
 constexpr int kRouterStageUnits = 4;  // a 2048-wide row over 128 threads
 
 // Shared memory of the router: the m staged rows.
 __host__ __device__ constexpr int64_t moe_router_smem_bytes(int64_t m, int64_t hidden) { return m * hidden * 4; }
 
-template <DenseType T, int M, bool kNorm>
-__global__ void moe_router_kernel(const void* __restrict__ w, const float* __restrict__ x, int m,
-                                  int64_t n_experts, int64_t hidden, const float* __restrict__ norm, float eps,
-                                  float* __restrict__ logits, int64_t top_k, bool normalize,
-                                  int32_t* __restrict__ ids, float* __restrict__ weights,
-                                  unsigned* __restrict__ counter) {
-  constexpr int V = DenseVec<T>::kPerVec;
-  constexpr int64_t elem = T == DenseType::kF32 ? 4 : 2;
-  const int lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const char* wrow = static_cast<const char*>(w) + (row < n_experts ? row : 0) * hidden * elem;
+// One warp's expert row: its first kRouterVecs vectors per lane in registers (issued at once).
+template <DenseType T>
+struct RouterRow {
+  static constexpr int V = DenseVec<T>::kPerVec;
+  static constexpr int64_t kElem = T == DenseType::kF32 ? 4 : 2;
   uint4 wr[kRouterVecs];
+  const char* wrow;
+  bool valid;
+
+  __device__ __forceinline__ void load(const void* w, int64_t row, int64_t n_experts, int64_t hidden) {
+    const int lane = threadIdx.x % 32;
+    valid = row < n_experts;
+    wrow = static_cast<const char*>(w) + (valid ? row : 0) * hidden * kElem;
 #pragma unroll
-  for (int i = 0; i < kRouterVecs; ++i) {
-    const int64_t k0 = int64_t(V) * (lane + 32 * i);
-    if (row < n_experts && k0 < hidden) wr[i] = __ldg(reinterpret_cast<const uint4*>(wrow + k0 * elem));
-  }
-  pdl_enter();
-  float* xs = reinterpret_cast<float*>(dynamic_smem());  // [m][hidden], normalised
-  bool staged = false;
-  if constexpr (kNorm)
-    if (m == 1)
-      staged = stage_row_one_pass<kRouterStageUnits>(x, norm, hidden, eps, [&](int k0, float4 u) {
-        *reinterpret_cast<float4*>(xs + k0) = u;
-      });
-  if (!staged) {
-    XRows<M, kNorm> xr{x, hidden, m, norm, {}};
-    block_inv_rms(xr, hidden, eps);
-    for (int64_t idx = threadIdx.x; idx < m * hidden / 4; idx += blockDim.x) {
-      const int mi = int(idx / (hidden / 4));
-      const int64_t k0 = 4 * (idx % (hidden / 4));
-      float f[4];
-      xr.load(mi, k0, f);
-      *reinterpret_cast<float4*>(xs + mi * hidden + k0) = make_float4(f[0], f[1], f[2], f[3]);
+    for (int i = 0; i < kRouterVecs; ++i) {
+      const int64_t k0 = int64_t(V) * (lane + 32 * i);
+      if (valid && k0 < hidden) wr[i] = __ldg(reinterpret_cast<const uint4*>(wrow + k0 * kElem));
     }
   }
-  __syncthreads();
-  if (row < n_experts) {
-    float acc[M] = {};
-    auto dot = [&](int64_t k0, const float(&wv)[V]) {
+
+  // acc[mi] = this row · xs[mi] (summed over the warp: every lane holds it).
+  template <int M>
+  __device__ __forceinline__ void dot(const float* xs, int m, int64_t hidden, float (&acc)[M]) const {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi) acc[mi] = 0.f;
+    auto fma_vec = [&](int64_t k0, const float(&wv)[V]) {
 #pragma unroll
       for (int mi = 0; mi < M; ++mi) {
         if (mi >= m) break;
@@ -166,21 +165,67 @@ __global__ void moe_router_kernel(const void* __restrict__ w, const float* __res
       if (k0 >= hidden) break;
       float wv[V];
       DenseVec<T>::load(&wr[i], wv);
-      dot(k0, wv);
+      fma_vec(k0, wv);
     }
     for (int64_t k0 = int64_t(V) * (lane + 32 * kRouterVecs); k0 < hidden; k0 += 32 * V) {  // past 8 vectors a lane
       float wv[V];
-      DenseVec<T>::load(wrow + k0 * elem, wv);
-      dot(k0, wv);
+      DenseVec<T>::load(wrow + k0 * kElem, wv);
+      fma_vec(k0, wv);
     }
 #pragma unroll
-    for (int mi = 0; mi < M; ++mi) {
-      const float sum = warp_sum(acc[mi]);
-      if (lane == 0 && mi < m) logits[mi * n_experts + row] = sum;
+    for (int mi = 0; mi < M; ++mi) acc[mi] = warp_sum(acc[mi]);
+  }
+};
+
+// The m input rows into shared memory xs[m][hidden], normalised when kNorm (one pass for one row).
+template <int M, bool kNorm>
+__device__ __forceinline__ void router_stage(const float* __restrict__ x, int m, int64_t hidden,
+                                             const float* __restrict__ norm, float eps, float* xs) {
+  bool staged = false;
+  if constexpr (kNorm)
+    if (m == 1)
+      staged = stage_row_one_pass<kRouterStageUnits>(x, norm, hidden, eps, [&](int k0, float4 u) {
+        *reinterpret_cast<float4*>(xs + k0) = u;
+      });
+  if (!staged) {
+    XRows<M, kNorm> xr{x, hidden, m, norm, {}};
+    block_inv_rms(xr, hidden, eps);
+    for (int64_t idx = threadIdx.x; idx < m * hidden / 4; idx += blockDim.x) {
+      const int mi = int(idx / (hidden / 4));
+      const int64_t k0 = 4 * (idx % (hidden / 4));
+      float f[4];
+      xr.load(mi, k0, f);
+      *reinterpret_cast<float4*>(xs + mi * hidden + k0) = make_float4(f[0], f[1], f[2], f[3]);
     }
+  }
+}
+
+template <DenseType T, int M, bool kNorm>
+__global__ void moe_router_kernel(const void* __restrict__ w, const float* __restrict__ x, int m,
+                                  int64_t n_experts, int64_t hidden, const float* __restrict__ norm, float eps,
+                                  float* __restrict__ logits, int64_t top_k, bool normalize,
+                                  int32_t* __restrict__ ids, float* __restrict__ weights,
+                                  unsigned* __restrict__ counter) {
+  const int lane = threadIdx.x % 32;
+  NIBBLE_TIMELINE_BLOCK(kMoeRouter);
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  RouterRow<T> rw;
+  rw.load(w, row, n_experts, hidden);
+  pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
+  float* xs = reinterpret_cast<float*>(dynamic_smem());  // [m][hidden], normalised
+  router_stage<M, kNorm>(x, m, hidden, norm, eps, xs);
+  __syncthreads();
+  if (rw.valid) {
+    float acc[M];
+    rw.dot<M>(xs, m, hidden, acc);
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi)
+      if (lane == 0 && mi < m) logits[mi * n_experts + row] = acc[mi];
   }
   __shared__ bool last;
   __syncthreads();
+  NIBBLE_TIMELINE_MARK();
   if (threadIdx.x == 0) {
     __threadfence();  // this block's logits are visible before it is counted
     last = atomicAdd(counter, 1u) == gridDim.x - 1;
@@ -191,6 +236,59 @@ __global__ void moe_router_kernel(const void* __restrict__ w, const float* __res
   for (int64_t t = threadIdx.x / 32; t < m; t += blockDim.x / 32)
     route_token(logits + t * n_experts, n_experts, top_k, normalize, ids + t * top_k, weights + t * top_k);
   if (threadIdx.x == 0) *counter = 0;
+}
+
+// The cluster router: ceil(n_experts / kRouterClusterWarps) blocks of kRouterClusterWarps warps,
+// launched as one cluster (at most the portable 8 blocks).
+constexpr int kRouterClusterWarps = 16;
+constexpr int kRouterClusterBlocks = 8;
+constexpr int64_t kRouterClusterExperts = int64_t(kRouterClusterWarps) * kRouterClusterBlocks;
+
+template <DenseType T, int M, bool kNorm>
+__global__ void __launch_bounds__(32 * kRouterClusterWarps) moe_router_cluster_kernel(
+    const void* __restrict__ w, const float* __restrict__ x, int m, int64_t n_experts, int64_t hidden,
+    const float* __restrict__ norm, float eps, int64_t top_k, bool normalize, int32_t* __restrict__ ids,
+    float* __restrict__ weights) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  NIBBLE_TIMELINE_BLOCK(kMoeRouter);
+  const unsigned rank = cluster.block_rank();
+  RouterRow<T> rw;
+  rw.load(w, int64_t(rank) * kRouterClusterWarps + warp, n_experts, hidden);
+  pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
+  float* xs = reinterpret_cast<float*>(dynamic_smem());  // [m][hidden], normalised
+  router_stage<M, kNorm>(x, m, hidden, norm, eps, xs);
+  __syncthreads();
+  __shared__ float s_logits[M][kRouterClusterWarps];  // this block's rows
+  __shared__ float s_all[M][kRouterClusterExperts];   // block 0: every row
+  if (rw.valid) {
+    float acc[M];
+    rw.dot<M>(xs, m, hidden, acc);
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi)
+      if (lane == 0 && mi < m) s_logits[mi][warp] = acc[mi];
+  }
+  NIBBLE_TIMELINE_MARK();
+  cluster.sync();  // every block's logits are in its shared memory
+  if (rank == 0) {
+    for (int64_t idx = threadIdx.x; idx < m * n_experts; idx += blockDim.x) {
+      const int64_t mi = idx / n_experts, e = idx % n_experts;
+      const float* remote = cluster.map_shared_rank(&s_logits[0][0], unsigned(e / kRouterClusterWarps));
+      s_all[mi][e] = remote[mi * kRouterClusterWarps + e % kRouterClusterWarps];
+    }
+  }
+  // Block 0 has read the others' shared memory: they may end. Block 0 waits at the end.
+  cluster.barrier_arrive();
+  if (rank == 0) {
+    __syncthreads();
+    for (int t = warp; t < m; t += kRouterClusterWarps)
+      route_token<true>(s_all[t], n_experts, top_k, normalize, ids + t * top_k, weights + t * top_k);
+  }
+  cluster.barrier_wait();
+#endif
 }
 
 __global__ void gather_rows_kernel(const float* __restrict__ src, const int32_t* __restrict__ rows,

@@ -7,6 +7,7 @@
 #include "kernels/kv_access.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/pdl.cuh"
+#include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
 
@@ -18,7 +19,9 @@ constexpr int kNormMaxPerThread = 8;  // dim <= 8192 with 1024 threads
 __global__ void rms_norm_block_kernel(const float* __restrict__ x_in, const float* __restrict__ delta,
                                       float* __restrict__ x_out, const float* __restrict__ w,
                                       float* __restrict__ y, int64_t dim, float eps) {
+  NIBBLE_TIMELINE_BLOCK(kRmsNorm);
   pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
   __shared__ float partial[32];
   const int64_t base = int64_t(blockIdx.x) * dim;
   float v[kNormMaxPerThread];
@@ -66,6 +69,7 @@ __global__ void qk_norm_rope_kv_write_kernel(const float* q_in, float* q_out, in
                                              const int32_t* __restrict__ seq_rows, int64_t table_stride,
                                              int block_size_log2) {
   constexpr int kMaxPerLane = 8;  // head_dim <= 256
+  NIBBLE_TIMELINE_BLOCK(kQkNormRope);
   const int64_t t = blockIdx.x, h = int64_t(blockIdx.y) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const bool active = h < n_head + n_head_kv, is_q = h < n_head;
@@ -91,6 +95,7 @@ __global__ void qk_norm_rope_kv_write_kernel(const float* q_in, float* q_out, in
     sn[j] *= attention_factor;
   }
   pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
   if (!active) return;
   // q_in and q_out may be one buffer: each warp reads its head vector whole before writing it.
   const float* src = is_q ? q_in + t * q_stride + h * head_dim : k_new + t * kv_stride + (h - n_head) * head_dim;

@@ -556,7 +556,10 @@ TEST_F(OpsTest, FusedResidualOps) {
         expect_close(to_host(res, m * n), want, "linear_add " + what, tolerance);
       }
 
-  for (auto [H, inter, E, top_k] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1024, 768, 16, 4}, {512, 256, 128, 8}})
+  // E <= 128 routes in one thread-block cluster on sm_90+, E = 512 (Qwen3-Next) through the
+  // last-block counter.
+  for (auto [H, inter, E, top_k] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1024, 768, 16, 4},
+                                    {512, 256, 128, 8}, {256, 256, 512, 8}, {512, 256, 40, 8}})
     for (int64_t m : {1, 2, 8, 12}) {
       MoeWeights host, dev;
       host.top_k = dev.top_k = top_k;

@@ -112,6 +112,15 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemset(route_counter_.data(), 0, sizeof(unsigned)));
     attention_counters_ = Buffer(*this, cuda::kAttentionMaxPairs * sizeof(unsigned));
     CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, cuda::kAttentionMaxPairs * sizeof(unsigned)));
+    // NIBBLE_TIMELINE=<file>: the in-kernel timeline of the newest 2M blocks, written at exit
+    // (builds configured with -DNIBBLE_TIMELINE=ON; tools/timeline.py reads it).
+    if (const char* path = std::getenv("NIBBLE_TIMELINE")) {
+      std::string why;
+      if (cuda::timeline_start(int64_t(1) << 21, &why))
+        timeline_path_ = path;
+      else
+        fmt::print(stderr, "NIBBLE_TIMELINE: {}\n", why);
+    }
   }
   std::string name() const override { return "cuda"; }
   std::string description() const override {
@@ -147,6 +156,10 @@ class CudaBackend final : public Backend {
   }
 
   ~CudaBackend() override {
+    if (!timeline_path_.empty()) {
+      std::string why;
+      if (!cuda::timeline_dump(timeline_path_, &why)) fmt::print(stderr, "NIBBLE_TIMELINE: {}\n", why);
+    }
     route_counter_ = Buffer();
     attention_counters_ = Buffer();
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
@@ -688,6 +701,7 @@ class CudaBackend final : public Backend {
   std::unordered_map<uint64_t, cudaGraphExec_t> graphs_;
   std::unordered_map<size_t, std::vector<void*>> free_blocks_;
   std::unordered_map<void*, size_t> block_size_;
+  std::string timeline_path_;  // NIBBLE_TIMELINE: where the in-kernel timeline goes at exit
   Buffer route_counter_;  // the fused router's "last block routes" counter, 0 between launches
   Buffer attention_counters_;  // decode attention's "last split merges" counters, 0 between launches
 };

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "backend/kv_pages.h"
 #include "backend/sampling.h"
@@ -106,5 +107,12 @@ void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k,
 void gather_rows(const float* src, const int32_t* rows, int64_t n_rows, int64_t dim, float* dst);
 void scatter_add_weighted(const float* src, const int32_t* rows, const float* row_weights,
                           int64_t n_rows, int64_t dim, float* dst);
+
+// The in-kernel timeline of the decode kernels (kernels/timeline.cuh), in builds configured with
+// -DNIBBLE_TIMELINE=ON: start keeps the newest `capacity` (a power of two) block records from now
+// on; dump writes them, oldest first, to `path` (tools/timeline.py reads it). Both return false
+// with the reason in *why_not otherwise.
+bool timeline_start(int64_t capacity, std::string* why_not);
+bool timeline_dump(const std::string& path, std::string* why_not);
 
 }  // namespace nibble::cuda

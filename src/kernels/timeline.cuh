@@ -1,0 +1,100 @@
+// In-kernel timeline of a decode step (a build configured with -DNIBBLE_TIMELINE=ON only): thread
+// 0 of every block of the instrumented kernels records the global timer when the block starts,
+// when its PDL wait returns, at one mark inside the kernel and when it ends, with its SM. Why: the
+// CUPTI trace serialises the kernels, so it cannot show what PDL overlaps, when a grid's blocks
+// become resident, or how long a kernel's blocks wait for their predecessor; these records can
+// (tools/timeline.py turns them into per-kernel critical times and boundary gaps).
+//
+// Records go to a ring (the newest `capacity` blocks survive), each block taking its slot with one
+// atomic issued at its start, so the round trip overlaps the block's weight loads and its wait.
+// In a normal build every macro here is empty and the kernels are unchanged.
+#pragma once
+
+#include <cstdint>
+
+namespace nibble::kernels {
+
+// The instrumented kernels; tools/timeline.py reads the names from the dump's first line.
+enum class TimelineKernel : uint16_t {
+  kEmbed,
+  kGemvInt4,
+  kMoeGateUp,
+  kMoeDown,
+  kMoeRouter,
+  kMoeRoute,
+  kAttentionTc,
+  kAttention,
+  kQkNormRope,
+  kRmsNorm,
+  kGemvDense,
+  kArgmaxPartial,
+  kArgmaxFinal,
+  kCount
+};
+
+inline constexpr const char* kTimelineKernelNames =
+    "embed,gemv_int4,moe_gate_up,moe_down,moe_router,moe_route,attention_tc,attention,qk_norm_rope,rms_norm,"
+    "gemv_dense,argmax_partial,argmax_final";
+
+struct TimelineRecord {
+  uint16_t kernel;
+  uint16_t sm;
+  uint32_t block;     // linear block index
+  uint64_t entry;     // ns, global timer
+  uint64_t waited;    // after pdl_enter (0: the kernel has no wait)
+  uint64_t mark;      // the kernel's one inner mark (0: none reached)
+  uint64_t end;
+};
+
+#ifdef NIBBLE_TIMELINE
+// One copy per translation unit (no relocatable device code): the backend enables the copy in the
+// unit that launches the decode kernels (backend/cuda/ops.cu); elsewhere it stays null.
+static __device__ TimelineRecord* g_timeline_records = nullptr;
+static __device__ unsigned long long g_timeline_next = 0;
+static __device__ unsigned long long g_timeline_mask = 0;
+
+__device__ __forceinline__ uint64_t timeline_now() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+struct TimelineBlock {
+  TimelineRecord r{};
+  unsigned long long slot = 0;
+  bool on = false;
+
+  __device__ explicit TimelineBlock(TimelineKernel k) {
+    if (threadIdx.x != 0 || threadIdx.y != 0 || g_timeline_records == nullptr) return;
+    on = true;
+    r.entry = timeline_now();
+    r.kernel = uint16_t(k);
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    r.sm = uint16_t(sm);
+    r.block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    slot = atomicAdd(&g_timeline_next, 1ull);
+  }
+  __device__ void waited() {
+    if (on) r.waited = timeline_now();
+  }
+  __device__ void mark() {
+    if (on) r.mark = timeline_now();
+  }
+  __device__ ~TimelineBlock() {
+    if (!on) return;
+    r.end = timeline_now();
+    g_timeline_records[slot & g_timeline_mask] = r;
+  }
+};
+
+#define NIBBLE_TIMELINE_BLOCK(kernel) ::nibble::kernels::TimelineBlock timeline_(::nibble::kernels::TimelineKernel::kernel)
+#define NIBBLE_TIMELINE_WAITED() timeline_.waited()
+#define NIBBLE_TIMELINE_MARK() timeline_.mark()
+#else
+#define NIBBLE_TIMELINE_BLOCK(kernel) ((void)0)
+#define NIBBLE_TIMELINE_WAITED() ((void)0)
+#define NIBBLE_TIMELINE_MARK() ((void)0)
+#endif
+
+}  // namespace nibble::kernels

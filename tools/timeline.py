@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Reads the in-kernel timeline of a decode run (NIBBLE_TIMELINE=<file> with a build configured
+with -DNIBBLE_TIMELINE=ON, see src/kernels/timeline.cuh) and prints where a decode step's time goes
+with the overlap PDL gives, which a CUPTI trace (serialised) cannot show:
+
+  per kernel launch: release (the earliest block's PDL wait returning, i.e. its predecessor done),
+  critical = last block's end - release, gap = the next launch's release - this launch's end
+  (the kernel boundary), lead = release - first block's start (how early the grid was resident),
+  late = last block's wait - release (blocks that were not resident when released), and the
+  median block's time from its wait to its inner mark and to its end.
+
+Usage: tools/timeline.py FILE [--steps N]   (the last N complete decode steps, default 16)
+"""
+import argparse
+import sys
+
+import numpy as np
+
+REC = np.dtype([("kernel", "<u2"), ("sm", "<u2"), ("block", "<u4"), ("entry", "<u8"), ("waited", "<u8"),
+                ("mark", "<u8"), ("end", "<u8")])
+
+
+def load(path):
+    with open(path, "rb") as f:
+        header = f.readline().decode().split()
+        if not header or header[0] != "nibble-timeline":
+            sys.exit(f"{path}: not a nibble timeline")
+        fields = dict(h.split("=", 1) for h in header[2:])
+        if int(fields["record_bytes"]) != REC.itemsize:
+            sys.exit(f"{path}: records of {fields['record_bytes']} bytes, this tool reads {REC.itemsize}")
+        recs = np.frombuffer(f.read(), dtype=REC)
+    return recs, fields["names"].split(",")
+
+
+def launches_of(recs, names):
+    """Groups records into launches: sorted by the time each block could start working (its wait,
+    or its start for kernels without one), a launch ends where the kernel changes."""
+    t = np.where(recs["waited"] > 0, recs["waited"], recs["entry"])
+    order = np.argsort(t, kind="stable")
+    recs = recs[order]
+    out, start = [], 0
+    for i in range(1, len(recs) + 1):
+        if i == len(recs) or recs["kernel"][i] != recs["kernel"][i - 1]:
+            out.append(recs[start:i])
+            start = i
+    return [(names[r["kernel"][0]], r) for r in out]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("file")
+    ap.add_argument("--steps", type=int, default=16)
+    a = ap.parse_args()
+    recs, names = load(a.file)
+    recs = recs[recs["end"] > 0]
+    stamps = np.concatenate([recs["entry"], recs["end"]])
+    diffs = np.diff(np.unique(stamps))
+    print(f"{len(recs)} block records; smallest step between timer values: {diffs.min() if len(diffs) else 0} ns")
+
+    launches = launches_of(recs, names)
+    embeds = [i for i, (n, r) in enumerate(launches) if n == "embed"]
+    if len(embeds) < 2:
+        sys.exit("fewer than two decode steps in the file")
+    steps = list(zip(embeds[:-1], embeds[1:]))[-a.steps:]
+    rows, step_ms = {}, []
+    for s0, s1 in steps:
+        seq = launches[s0:s1]
+        rel = lambda r: int(r["waited"][r["waited"] > 0].min()) if (r["waited"] > 0).any() else int(r["entry"].min())
+        step_ms.append((rel(launches[s1][1]) - rel(seq[0][1])) / 1e6)
+        prev = "step start"
+        for j, (name, r) in enumerate(seq):
+            release = rel(r)
+            end = int(r["end"].max())
+            nxt = rel(launches[s0 + j + 1][1])
+            label = f"{name} [{len(r)} blocks] after {prev}"
+            prev = name
+            waited = np.where(r["waited"] > 0, r["waited"], r["entry"]).astype(np.int64)
+            marks = r["mark"].astype(np.int64)
+            e = rows.setdefault(label, {"n": 0, "lead": [], "crit": [], "gap": [], "late": [], "blk": [], "mark": []})
+            e["n"] += 1
+            e["lead"].append(release - int(r["entry"].min()))
+            e["crit"].append(end - release)
+            e["gap"].append(nxt - end)
+            e["late"].append(int(waited.max()) - release)
+            e["blk"].append(float(np.median(r["end"].astype(np.int64) - waited)))
+            if (marks > 0).any():
+                e["mark"].append(float(np.median(marks[marks > 0] - waited[marks > 0])))
+    n_steps = len(steps)
+    print(f"{n_steps} decode steps, {np.mean(step_ms) * 1e3:.1f} µs each (release of the first launch to the next step's)\n")
+    print("| launch | per step | critical µs | gap µs | lead µs | late µs | block: wait->mark µs | block: wait->end µs | µs per step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    total = 0.0
+    for label, e in sorted(rows.items(), key=lambda kv: -(np.mean(kv[1]["crit"]) + np.mean(kv[1]["gap"])) * kv[1]["n"]):
+        per_step = e["n"] / n_steps
+        share = (np.mean(e["crit"]) + np.mean(e["gap"])) * per_step / 1e3
+        total += share
+        mark = f"{np.mean(e['mark']) / 1e3:.2f}" if e["mark"] else ""
+        print(f"| {label} | {per_step:.0f} | {np.mean(e['crit']) / 1e3:.2f} | {np.mean(e['gap']) / 1e3:.2f} | "
+              f"{np.mean(e['lead']) / 1e3:.2f} | {np.mean(e['late']) / 1e3:.2f} | {mark} | "
+              f"{np.mean(e['blk']) / 1e3:.2f} | {share:.1f} |")
+    print(f"\nsum of (critical + gap) per step: {total:.1f} µs")
+
+
+if __name__ == "__main__":
+    main()
