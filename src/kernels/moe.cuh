@@ -110,9 +110,10 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int64_t m, in
 //     thread-block cluster; each keeps its logits in shared memory and block 0 reads them over
 //     distributed shared memory after a cluster barrier.
 //   moe_router_kernel: every block writes its logits to global memory and the last block to
-//     finish (a counter, reset by that block for the next launch) reads them back. The fence, the
-//     atomic and the read are three dependent L2 round trips, which the in-kernel timeline
-//     (BENCHMARKS.md) put at ~4.5 µs of the router's 7.7 on the critical path of every layer.
+//     finish (a counter, reset by that block for the next launch) reads them back: a fence, an
+//     atomic and a read through L2. The cluster took the router's critical time from 7.7 to
+//     7.0 µs a layer (in-kernel timeline, BENCHMARKS.md); most of what is left comes after the
+//     products (~2.2 µs after the wait) and is not yet explained.
 constexpr int kRouterVecs = 8;        // 2048 bf16 per lane-strided row
 constexpr int kRouterStageUnits = 4;  // a 2048-wide row over 128 threads
 

@@ -169,8 +169,8 @@ struct MoeRouter {
                   float eps, float* logits, int64_t top_k, bool normalize, int32_t* ids, float* weights,
                   unsigned* counter) {
     const size_t smem = size_t(kernels::moe_router_smem_bytes(m, hidden));
-    // Up to 128 experts the blocks meet in one cluster (in-kernel timeline: the last-block
-    // counter's round trips were ~4.5 µs of every MoE layer's critical path).
+    // Up to 128 experts the blocks meet in one cluster instead of through the last-block
+    // counter's L2 round trips (in-kernel timeline: 0.7 µs less a MoE layer).
     const bool cluster = clusters_supported() && n_experts <= kernels::kRouterClusterExperts;
     auto go = [&](auto M, auto kNorm) {
       if (cluster) {
