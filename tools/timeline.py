@@ -9,15 +9,17 @@ with the overlap PDL gives, which a CUPTI trace (serialised) cannot show:
   late = last block's wait - release (blocks that were not resident when released), and the
   median block's time from its wait to its inner mark and to its end.
 
-Usage: tools/timeline.py FILE [--steps N]   (the last N complete decode steps, default 16)
+Usage: tools/timeline.py FILE [--steps N] [--keep OUT]
+  --steps N: the last N complete decode steps (default 16); --keep OUT: also write those steps'
+  records to OUT in the same format (a file small enough to bring back from the device).
 """
 import argparse
 import sys
 
 import numpy as np
 
-REC = np.dtype([("kernel", "<u2"), ("sm", "<u2"), ("block", "<u4"), ("entry", "<u8"), ("waited", "<u8"),
-                ("mark", "<u8"), ("end", "<u8")])
+REC = np.dtype([("kernel", "<u2"), ("sm", "<u2"), ("block", "<u4"), ("blocks", "<u4"), ("reserved", "<u4"),
+                ("entry", "<u8"), ("waited", "<u8"), ("mark", "<u8"), ("end", "<u8")])
 
 
 def load(path):
@@ -32,24 +34,45 @@ def load(path):
     return recs, fields["names"].split(",")
 
 
+def keep(path, launches, names):
+    recs = np.concatenate([r for _, r in launches])
+    with open(path, "wb") as f:
+        f.write(f"nibble-timeline 1 record_bytes={REC.itemsize} count={len(recs)} names={','.join(names)}\n".encode())
+        f.write(recs.tobytes())
+
+
 def launches_of(recs, names):
-    """Groups records into launches: sorted by the time each block could start working (its wait,
-    or its start for kernels without one), a launch ends where the kernel changes."""
-    t = np.where(recs["waited"] > 0, recs["waited"], recs["entry"])
-    order = np.argsort(t, kind="stable")
-    recs = recs[order]
-    out, start = [], 0
-    for i in range(1, len(recs) + 1):
-        if i == len(recs) or recs["kernel"][i] != recs["kernel"][i - 1]:
-            out.append(recs[start:i])
-            start = i
-    return [(names[r["kernel"][0]], r) for r in out]
+    """Groups records into launches. Kernels overlap under PDL (a grid may start before its
+    predecessor ends), so a launch is not a run of one kernel in time: in order of the blocks'
+    start, each kernel's records fill its current launch until it holds the grid's block count
+    (a kernel never overlaps its own next launch). Blocks that exit before recording (the
+    attention's unused splits) leave a launch short; it is closed when the kernel's next launch
+    starts a block index it already has. Launches are listed by their release (the earliest
+    block's PDL wait returning, or start for a kernel without one)."""
+    recs = recs[np.argsort(recs["entry"], kind="stable")]
+    groups, current = [], {}
+    for i in range(len(recs)):
+        k, b = int(recs["kernel"][i]), int(recs["block"][i])
+        g = current.get(k)
+        if g is None or b in g[1]:
+            g = ([], set())
+            groups.append(g)
+            current[k] = g
+        g[0].append(i)
+        g[1].add(b)
+        if len(g[1]) == int(recs["blocks"][i]):
+            del current[k]
+    launches = [recs[np.array(idx)] for idx, _ in groups]
+    rel = lambda r: int(r["waited"][r["waited"] > 0].min()) if (r["waited"] > 0).any() else int(r["entry"].min())
+    launches.sort(key=rel)
+    return [(names[r["kernel"][0]], r) for r in launches]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("file")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--keep")
     a = ap.parse_args()
     recs, names = load(a.file)
     recs = recs[recs["end"] > 0]
@@ -62,6 +85,8 @@ def main():
     if len(embeds) < 2:
         sys.exit("fewer than two decode steps in the file")
     steps = list(zip(embeds[:-1], embeds[1:]))[-a.steps:]
+    if a.keep:
+        keep(a.keep, launches[steps[0][0]:steps[-1][1] + 1], names)
     rows, step_ms = {}, []
     for s0, s1 in steps:
         seq = launches[s0:s1]

@@ -40,6 +40,8 @@ struct TimelineRecord {
   uint16_t kernel;
   uint16_t sm;
   uint32_t block;     // linear block index
+  uint32_t blocks;    // blocks in the grid: tools/timeline.py groups launches by it (kernels overlap)
+  uint32_t reserved;
   uint64_t entry;     // ns, global timer
   uint64_t waited;    // after pdl_enter (0: the kernel has no wait)
   uint64_t mark;      // the kernel's one inner mark (0: none reached)
@@ -73,6 +75,7 @@ struct TimelineBlock {
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     r.sm = uint16_t(sm);
     r.block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    r.blocks = gridDim.x * gridDim.y * gridDim.z;
     slot = atomicAdd(&g_timeline_next, 1ull);
   }
   __device__ void waited() {
