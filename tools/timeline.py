@@ -41,6 +41,11 @@ def keep(path, launches, names):
         f.write(recs.tobytes())
 
 
+def release(r):
+    """A launch's release: its earliest block's PDL wait returning, or start without a wait."""
+    return int(r["waited"][r["waited"] > 0].min()) if (r["waited"] > 0).any() else int(r["entry"].min())
+
+
 def launches_of(recs, names):
     """Groups records into launches. Kernels overlap under PDL (a grid may start before its
     predecessor ends), so a launch is not a run of one kernel in time: in order of the blocks'
@@ -63,8 +68,7 @@ def launches_of(recs, names):
         if len(g[1]) == int(recs["blocks"][i]):
             del current[k]
     launches = [recs[np.array(idx)] for idx, _ in groups]
-    rel = lambda r: int(r["waited"][r["waited"] > 0].min()) if (r["waited"] > 0).any() else int(r["entry"].min())
-    launches.sort(key=rel)
+    launches.sort(key=release)
     return [(names[r["kernel"][0]], r) for r in launches]
 
 
@@ -90,23 +94,22 @@ def main():
     rows, step_ms = {}, []
     for s0, s1 in steps:
         seq = launches[s0:s1]
-        rel = lambda r: int(r["waited"][r["waited"] > 0].min()) if (r["waited"] > 0).any() else int(r["entry"].min())
-        step_ms.append((rel(launches[s1][1]) - rel(seq[0][1])) / 1e6)
+        step_ms.append((release(launches[s1][1]) - release(seq[0][1])) / 1e6)
         prev = "step start"
         for j, (name, r) in enumerate(seq):
-            release = rel(r)
+            t0 = release(r)
             end = int(r["end"].max())
-            nxt = rel(launches[s0 + j + 1][1])
+            nxt = release(launches[s0 + j + 1][1])
             label = f"{name} [{len(r)} blocks] after {prev}"
             prev = name
             waited = np.where(r["waited"] > 0, r["waited"], r["entry"]).astype(np.int64)
             marks = r["mark"].astype(np.int64)
             e = rows.setdefault(label, {"n": 0, "lead": [], "crit": [], "gap": [], "late": [], "blk": [], "mark": []})
             e["n"] += 1
-            e["lead"].append(release - int(r["entry"].min()))
-            e["crit"].append(end - release)
+            e["lead"].append(t0 - int(r["entry"].min()))
+            e["crit"].append(end - t0)
             e["gap"].append(nxt - end)
-            e["late"].append(int(waited.max()) - release)
+            e["late"].append(int(waited.max()) - t0)
             e["blk"].append(float(np.median(r["end"].astype(np.int64) - waited)))
             if (marks > 0).any():
                 e["mark"].append(float(np.median(marks[marks > 0] - waited[marks > 0])))
