@@ -41,12 +41,13 @@ struct TimelineRecord {
   uint16_t sm;
   uint32_t block;     // linear block index
   uint32_t blocks;    // blocks in the grid: tools/timeline.py groups launches by it (kernels overlap)
-  uint32_t reserved;
+  uint32_t reserved;  // keeps the timestamps 8-byte aligned, as tools/timeline.py's REC reads them
   uint64_t entry;     // ns, global timer
   uint64_t waited;    // after pdl_enter (0: the kernel has no wait)
   uint64_t mark;      // the kernel's one inner mark (0: none reached)
   uint64_t end;
 };
+static_assert(sizeof(TimelineRecord) == 48, "tools/timeline.py's REC reads this layout");
 
 #ifdef NIBBLE_TIMELINE
 // One copy per translation unit (no relocatable device code): the backend enables the copy in the
