@@ -88,16 +88,21 @@ class Backend {
   // Causal attention of q[m, n_head, hd] over the paged cache `kv` (rows [n_head_kv, hd]): token t
   // attends to sequence positions 0..positions[t]; out[m, n_head, hd]. GQA: q head h reads kv head
   // h / (n_head / n_head_kv). max_context bounds every positions[t] + 1 (it sizes the work).
+  // window > 0: only positions above positions[t] - window (a sliding-window layer). sinks (per q
+  // head, this backend's memory, or null): a learned logit that joins each softmax's denominator
+  // and carries no value (gpt-oss), so a head can attend to nothing.
   virtual void attention(const float* q, const KvPages& kv, int64_t m,
                          const int32_t* positions, int64_t max_context, int64_t n_head,
-                         int64_t n_head_kv, int64_t head_dim, float scale, float* out) = 0;
+                         int64_t n_head_kv, int64_t head_dim, float scale, float* out,
+                         const float* sinks = nullptr, int64_t window = 0) = 0;
   // out[i] = silu(gate[i]) * up[i]
   virtual void silu_mul(const float* gate, const float* up, int64_t count, float* out) = 0;
   // Routing: softmax over logits[m, n_experts], top-k (ties: lower expert id first), renormalised
   // to sum 1 when `normalize`. ids/weights are [m, top_k] in this backend's memory.
   virtual void moe_route(const float* logits, int64_t m, int64_t n_experts, int64_t top_k,
                          bool normalize, int32_t* ids, float* weights) = 0;
-  // The whole MoE block: out[m, hidden] = Σ_top-k weight · down(silu(gate(x)) · up(x)).
+  // The whole MoE block: out[m, hidden] = Σ_top-k weight · down(act(gate(x), up(x))), with the
+  // experts' biases where they have them and act = w.activation (weights.h).
   virtual void moe(const MoeWeights& w, const float* x, int64_t m, float* out) = 0;
   // y[i] += x[i]
   virtual void add(const float* x, int64_t count, float* y) = 0;

@@ -22,7 +22,7 @@ namespace {
 struct BenchOptions {
   std::string model_dir, device = "cpu", load_format = "auto", quantization, json_path, prompts = "512",
               depths = "0", kv_cache_dtype = "auto", batches,
-              quantize_layers;
+              quantize_layers, quantize_format = "int4";
   int64_t generate = 128;
   int repetitions = 3;
   bool enforce_eager = false, profile = false;
@@ -69,6 +69,7 @@ void bench(const BenchOptions& o) {
   load.enforce_eager = o.enforce_eager;
   load.kv_cache_dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
   load.quantize_layers = parse_quantize_layers(o.quantize_layers);
+  load.quantize_format = o.quantize_format;
   const auto t0 = std::chrono::steady_clock::now();
   auto model = load_model(o.model_dir, *backend, load);
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -81,7 +82,8 @@ void bench(const BenchOptions& o) {
   fmt::print("nibble bench — {} ({}{}{}), {}\n", o.model_dir, c.model_type,
              o.load_format == "dummy" ? ", dummy weights" + (o.quantization.empty() ? std::string() : " " + o.quantization)
                                       : std::string(),
-             o.quantize_layers.empty() ? std::string() : ", INT4 at load: " + o.quantize_layers, device);
+             o.quantize_layers.empty() ? std::string()
+                                       : fmt::format(", {} at load: {}", o.quantize_format, o.quantize_layers), device);
   fmt::print("weights read per decoded token {:.3f} GB; KV cache {}, {:.1f} KB per context token; copy bandwidth "
              "{:.2f} TB/s; roofline at depth 0 {:.0f} tok/s\n\n", weight_bytes / 1e9, dtype_name(model->kv_dtype()),
              double(model->kv_bytes_per_context_token()) / 1e3, bandwidth / 1e12, bandwidth / weight_bytes);
@@ -126,7 +128,7 @@ void bench(const BenchOptions& o) {
     nlohmann::json j;
     j["meta"] = {{"nibble", NIBBLE_VERSION}, {"commit", git_commit()}, {"date", date}, {"device", device},
                  {"model", o.model_dir}, {"model_type", c.model_type}, {"load_format", o.load_format},
-                 {"quantization", o.quantization}, {"quantize_layers", o.quantize_layers}, {"enforce_eager", o.enforce_eager},
+                 {"quantization", o.quantization}, {"quantize_layers", o.quantize_layers}, {"quantize_format", o.quantize_format}, {"enforce_eager", o.enforce_eager},
                  {"kv_cache_dtype", dtype_name(model->kv_dtype())}, {"temperature", o.temperature},
                  {"top_p", o.top_p}, {"top_k", o.top_k}, {"load_seconds", load_s},
                  {"copy_bandwidth_bytes_per_s", bandwidth}, {"weight_bytes_per_token", weight_bytes},
@@ -162,7 +164,7 @@ void add_bench_command(CLI::App& app, int argc, char** argv) {
       ->required()->check(CLI::ExistingDirectory);
   cmd->add_option("--device", o->device, "cpu or cuda");
   cmd->add_option("--load-format", o->load_format, "auto (the checkpoint) or dummy (random weights)");
-  cmd->add_option("--quantization", o->quantization, "With dummy weights: int4 (W4A16, group 128)");
+  cmd->add_option("--quantization", o->quantization, "With dummy weights: int4 (W4A16, group 128), or mxfp4 (gpt-oss's experts as shipped)");
   cmd->add_option("-p,--n-prompt", o->prompts, "Prompt sizes to prefill, comma-separated");
   cmd->add_option("-n,--n-gen", o->generate, "Tokens to decode (0: no decode test)")->check(CLI::NonNegativeNumber);
   cmd->add_option("-d,--depth", o->depths, "Context depths, comma-separated");
@@ -171,7 +173,9 @@ void add_bench_command(CLI::App& app, int argc, char** argv) {
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16), float32 or fp8 (E4M3, half the bytes of float16)");
   cmd->add_option("--quantize-layers", o->quantize_layers,
-                  "Quantize these 16-bit layers to INT4 at load (group 128): a list of lm_head, qkv, o");
+                  "Quantize these 16-bit layers to 4 bits at load: a list of lm_head, qkv, o (see --quantize-format)");
+  cmd->add_option("--quantize-format", o->quantize_format,
+                  "Format of --quantize-layers: int4 (group 128, the default) or mxfp4 (blocks of 32, gpt-oss's)");
   cmd->add_option("--temperature", o->temperature, "Decode sampling temperature (0: greedy, the default)");
   cmd->add_option("--top-p", o->top_p, "Decode nucleus mass, with --temperature");
   cmd->add_option("--top-k", o->top_k, "Decode top-k, with --temperature (0: off)")->check(CLI::NonNegativeNumber);

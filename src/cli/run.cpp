@@ -27,7 +27,7 @@ struct RunOptions {
   std::vector<std::string> stop;
   bool json = false, ignore_eos = false, enforce_eager = false;
   std::string kv_cache_dtype = "auto";
-  std::string quantize_layers;
+  std::string quantize_layers, quantize_format = "int4";
 };
 
 std::vector<int32_t> parse_ids(const std::string& text) {
@@ -59,6 +59,7 @@ void run(const RunOptions& o) {
   load.enforce_eager = o.enforce_eager;
   load.kv_cache_dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
   load.quantize_layers = parse_quantize_layers(o.quantize_layers);
+  load.quantize_format = o.quantize_format;
   auto model = load_model(o.model_dir, *backend, load);
   const std::string tok_path = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
   NIBBLE_CHECK(std::filesystem::exists(tok_path), "{}: missing (nibble run needs the model's "
@@ -153,7 +154,9 @@ void add_run_command(CLI::App& app) {
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16), float32 or fp8 (E4M3, half the bytes of float16)");
   cmd->add_option("--quantize-layers", o->quantize_layers,
-                  "Quantize these 16-bit layers to INT4 at load (group 128): a list of lm_head, qkv, o");
+                  "Quantize these 16-bit layers to 4 bits at load: a list of lm_head, qkv, o (see --quantize-format)");
+  cmd->add_option("--quantize-format", o->quantize_format,
+                  "Format of --quantize-layers: int4 (group 128, the default) or mxfp4 (blocks of 32, gpt-oss's)");
   cmd->callback([o] { run(*o); });
 }
 

@@ -60,7 +60,9 @@ void add_serve_command(CLI::App& app) {
                   "Split <think> blocks into reasoning_content: auto (when the chat template uses them), qwen3, none");
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16), float32 or fp8 (E4M3, half the bytes of float16)");
   cmd->add_option("--quantize-layers", o->quantize_layers,
-                  "Quantize these 16-bit layers to INT4 at load (group 128): a list of lm_head, qkv, o");
+                  "Quantize these 16-bit layers to 4 bits at load: a list of lm_head, qkv, o (see --quantize-format)");
+  cmd->add_option("--quantize-format", o->quantize_format,
+                  "Format of --quantize-layers: int4 (group 128, the default) or mxfp4 (blocks of 32, gpt-oss's)");
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
   cmd->add_option("--gpu-memory-utilization", o->gpu_memory_utilization,
                   "Fraction of GPU memory nibble may use; the KV cache gets what the weights and activations leave "
@@ -69,7 +71,7 @@ void add_serve_command(CLI::App& app) {
                   "KV cache size in bytes (overrides --gpu-memory-utilization; CPU default 4 GiB)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--load-format", o->load_format, "auto (the checkpoint) or dummy (random weights, for benchmarks)");
-  cmd->add_option("--quantization", o->quantization, "With --load-format dummy: int4 for GPTQ-like INT4 weights");
+  cmd->add_option("--quantization", o->quantization, "With --load-format dummy: int4 for GPTQ-like INT4 weights, mxfp4 for gpt-oss's MXFP4 experts");
   cmd->add_option("--generation-config", o->generation_config,
                   "Sampling defaults: auto (the model's generation_config.json), vllm (none), or a directory");
   cmd->add_option("--block-size", o->block_size, "Positions per KV cache block, a power of two (default 16)");

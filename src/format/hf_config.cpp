@@ -114,9 +114,23 @@ QuantConfig parse_quant(const json& j, const std::string& path) {
   NIBBLE_CHECK(qc.is_object(), "{}: quantization_config must be an object", path);
   Reader r{qc, path};
   q.method = r.string("quant_method", "");
-  NIBBLE_CHECK(q.method == "gptq" || q.method == "auto-round",
+  NIBBLE_CHECK(q.method == "gptq" || q.method == "auto-round" || q.method == "mxfp4",
                "{}: quantization_config.quant_method '{}' is not supported (supported: gptq, "
-               "auto-round)", path, q.method);
+               "auto-round, mxfp4)", path, q.method);
+  if (q.method == "mxfp4") {  // gpt-oss: the format is fixed, only the unconverted modules are listed
+    q.bits = 4;
+    q.group_size = 32;
+    if (r.has("modules_to_not_convert")) {
+      NIBBLE_CHECK(qc["modules_to_not_convert"].is_array(), "{}: quantization_config.modules_to_not_convert "
+                   "must be a list of strings", path);
+      for (auto& m : qc["modules_to_not_convert"]) {
+        NIBBLE_CHECK(m.is_string(), "{}: quantization_config.modules_to_not_convert must hold strings, got {}",
+                     path, m.dump());
+        q.modules_to_not_convert.push_back(m.get<std::string>());
+      }
+    }
+    return q;
+  }
   q.bits = int(r.integer("bits", 0, true));
   NIBBLE_CHECK(q.bits == 4, "{}: quantization_config.bits = {} is not supported (only 4)", path,
                q.bits);
@@ -194,6 +208,23 @@ ModelConfig parse_model_config(const json& j, const std::string& path) {
   c.rope = parse_rope(j, path);
   NIBBLE_CHECK(!r.boolean("use_sliding_window", false), "{}: use_sliding_window = true is not "
                "supported for {}", path, c.model_type);
+  if (r.has("layer_types")) {
+    NIBBLE_CHECK(j["layer_types"].is_array() && int64_t(j["layer_types"].size()) == c.num_hidden_layers,
+                 "{}: field 'layer_types' must be a list of {} strings (num_hidden_layers)", path,
+                 c.num_hidden_layers);
+    for (auto& t : j["layer_types"]) {
+      NIBBLE_CHECK(t.is_string() && (t == "full_attention" || t == "sliding_attention"), "{}: layer_types "
+                   "entry {} is not supported (expected full_attention or sliding_attention)", path, t.dump());
+      c.layer_types.push_back(t.get<std::string>());
+    }
+  } else if (c.model_type == "gpt_oss") {  // GptOssConfig's default: even layers slide
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+      c.layer_types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
+  }
+  if (std::find(c.layer_types.begin(), c.layer_types.end(), "sliding_attention") != c.layer_types.end())
+    c.sliding_window = r.positive("sliding_window");
+  c.swiglu_limit = r.number("swiglu_limit", 0);
+  NIBBLE_CHECK(c.swiglu_limit >= 0, "{}: field 'swiglu_limit' must not be negative", path);
 
   // transformers 5 writes num_experts under its attribute-map name num_local_experts.
   c.num_experts = r.integer("num_experts", r.integer("num_local_experts", 0));
@@ -202,7 +233,9 @@ ModelConfig parse_model_config(const json& j, const std::string& path) {
     c.num_experts_per_tok = r.positive("num_experts_per_tok");
     NIBBLE_CHECK(c.num_experts_per_tok <= c.num_experts, "{}: num_experts_per_tok ({}) exceeds "
                  "num_experts ({})", path, c.num_experts_per_tok, c.num_experts);
-    c.moe_intermediate_size = r.positive("moe_intermediate_size");
+    // gpt-oss (like Mixtral) names the experts' width intermediate_size.
+    c.moe_intermediate_size = r.has("moe_intermediate_size") ? r.positive("moe_intermediate_size")
+                                                              : r.positive("intermediate_size");
     c.norm_topk_prob = r.boolean("norm_topk_prob", true);
     c.decoder_sparse_step = r.positive("decoder_sparse_step", false, 1);
     c.mlp_only_layers = r.int_list("mlp_only_layers");

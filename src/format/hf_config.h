@@ -22,15 +22,18 @@ struct RopeConfig {
   bool truncate = true;
 };
 
-// Weight-only INT4 as written by GPTQ/AutoRound (quantization_config in config.json).
+// Weight-only 4-bit formats (quantization_config in config.json): INT4 as written by
+// GPTQ/AutoRound, or MXFP4 as gpt-oss ships its experts.
 struct QuantConfig {
-  std::string method;  // "" (none), "gptq", "auto-round"
+  std::string method;  // "" (none), "gptq", "auto-round", "mxfp4"
   int bits = 0;
   int group_size = 0;  // -1: one group spanning K
   bool sym = true;
   bool desc_act = false;
   // Stored zero points are the true zero minus one (GPTQ v1 and AutoRound's gptq packing).
   bool zero_minus_one = true;
+  // mxfp4: module patterns left in 16 bits ("model.layers.*.self_attn", "lm_head", ...).
+  std::vector<std::string> modules_to_not_convert;
 };
 
 struct ModelConfig {
@@ -52,6 +55,11 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   std::string hidden_act = "silu";
   RopeConfig rope;
+  // Per layer "full_attention" or "sliding_attention" (empty: all full); sliding layers attend to
+  // the last `sliding_window` positions, their own included (transformers' mask: kv > q - window).
+  std::vector<std::string> layer_types;
+  int64_t sliding_window = 0;
+  double swiglu_limit = 0;  // gpt-oss's clamped SwiGLU experts
 
   // Mixture of experts (0 experts: dense).
   int64_t num_experts = 0;
@@ -66,6 +74,10 @@ struct ModelConfig {
   QuantConfig quant;
 
   bool is_moe_layer(int64_t layer) const;
+  // The window of layer `layer`'s attention in positions, 0 for full attention.
+  int64_t layer_window(int64_t layer) const {
+    return !layer_types.empty() && layer_types[size_t(layer)] == "sliding_attention" ? sliding_window : 0;
+  }
 };
 
 // Sampling defaults and stop ids from generation_config.json (all optional).

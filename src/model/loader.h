@@ -26,12 +26,21 @@ class WeightLoader {
   // transformers 5 keeps in memory).
   std::vector<MlpWeights> experts(const std::string& prefix, int64_t n_experts, int64_t inter,
                                   int64_t hidden);
+  // Experts of one gpt-oss MoE layer (FORMATS.md §5), fused over experts with biases, gate and up
+  // rows interleaved: MXFP4 (`gate_up_proj_blocks` U8 [E, 2I, H/32, 16] + `_scales` [E, 2I, H/32],
+  // viewed in place) or dense as transformers keeps them (`gate_up_proj` [E, H, 2I], inputs first:
+  // transposed at load into owned memory of the stored dtype). Biases `gate_up_proj_bias` [E, 2I]
+  // and `down_proj_bias` [E, H] in either case.
+  std::vector<MlpWeights> gpt_oss_experts(const std::string& prefix, int64_t n_experts, int64_t inter,
+                                          int64_t hidden);
   // Tensors of the checkpoint that no module claimed (reported as a warning: usually a sign that
   // config.json and the weights disagree).
   std::vector<std::string> unused() const;
 
  private:
   const TensorInfo& tensor(const std::string& name);
+  // `name` checked against dtype and shape (an Error naming what differs).
+  const TensorInfo& tensor(const std::string& name, DType dtype, const std::vector<int64_t>& shape);
   const Checkpoint& ckpt_;
   const ModelConfig& config_;
   std::mutex used_mutex_;  // experts() loads in parallel

@@ -326,19 +326,19 @@ void Model::forward_batch(std::span<const BatchEntry> entries, KvPool& pool, Bat
 }
 
 void Model::attend(const Step& s, int64_t layer, const float* q, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
-                   float scale, float* out) const {
+                   float scale, float* out, const float* sinks, int64_t window) const {
   if (s.cache) {
     backend_.attention(q, s.cache->layer(layer), s.n_tokens, s.positions, s.max_context, n_head, n_head_kv, head_dim,
-                       scale, out);
+                       scale, out, sinks, window);
     return;
   }
   const int64_t row = n_head * head_dim;
   if (s.n_single)
     backend_.attention(q, s.pool->layer(layer, s.seq_rows), s.n_single, s.positions, s.max_context, n_head, n_head_kv,
-                       head_dim, scale, out);
+                       head_dim, scale, out, sinks, window);
   for (const StepSegment& g : s.segments)
     backend_.attention(q + g.first * row, s.pool->row_layer(layer, g.row), g.count, s.positions + g.first,
-                       g.pos0 + g.count, n_head, n_head_kv, head_dim, scale, out + g.first * row);
+                       g.pos0 + g.count, n_head, n_head_kv, head_dim, scale, out + g.first * row, sinks, window);
 }
 
 int64_t Model::project_logits(const Step& s, const float* x, const WeightVector& norm, float eps,

@@ -144,8 +144,9 @@ class Model {
   virtual void compute(const Step& step) = 0;
   // Attention of a step's queries q [n_tokens, n_head, hd] into out: one call for one sequence;
   // for a batch one call for the single-token rows and one per prompt chunk.
+  // sinks and window as Backend::attention takes them.
   void attend(const Step& step, int64_t layer, const float* q, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
-              float scale, float* out) const;
+              float scale, float* out, const float* sinks = nullptr, int64_t window = 0) const;
   // The final norm and lm_head over the rows of x that the step wants logits of, into
   // step.logits; returns the number of rows written.
   int64_t project_logits(const Step& step, const float* x, const WeightVector& norm, float eps,
@@ -186,12 +187,15 @@ class Model {
 struct LoadOptions {
   bool enforce_eager = false;        // no graphs: every op launched as it comes
   std::string load_format = "auto";  // "auto": the checkpoint's safetensors; "dummy": random weights
-  std::string quantization;          // with dummy weights: "" (BF16) or "int4" (GPTQ-like, W4A16)
+  // With dummy weights: "" (BF16), "int4" (GPTQ-like, W4A16) or "mxfp4" (gpt-oss's experts as its
+  // checkpoints store them).
+  std::string quantization;
   int group_size = 128;
   // Linear roles quantized to INT4 at load (--quantize-layers: lm_head, qkv, o), in groups of
   // quantize_group_size.
   std::vector<std::string> quantize_layers;
   int quantize_group_size = 128;
+  std::string quantize_format = "int4";  // --quantize-format: int4 or mxfp4
   DType kv_cache_dtype = DType::F16;  // F16, F32 or F8_E4M3 (--kv-cache-dtype)
 };
 

@@ -15,6 +15,7 @@ struct Architecture {
 constexpr Architecture kArchitectures[] = {
     {"qwen3_moe", create_qwen3_moe},
     {"qwen3", create_qwen3_moe},  // dense Qwen3: the same graph with num_experts = 0
+    {"gpt_oss", create_gpt_oss},
 };
 
 }  // namespace
@@ -48,23 +49,31 @@ std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend
                "--load-format {}: expected auto or dummy", options.load_format);
   NIBBLE_CHECK(options.quantization.empty() || options.load_format == "dummy",
                "--quantization applies to --load-format dummy (checkpoints carry their own format)");
-  NIBBLE_CHECK(options.quantization.empty() || options.quantization == "int4",
-               "--quantization {}: only int4 is supported", options.quantization);
+  NIBBLE_CHECK(options.quantization.empty() || options.quantization == "int4" || options.quantization == "mxfp4",
+               "--quantization {}: expected int4 or mxfp4", options.quantization);
+  NIBBLE_CHECK(options.quantization != "mxfp4" || config.model_type == "gpt_oss", "--quantization mxfp4: "
+               "dummy MXFP4 weights are made for gpt_oss experts only (model_type is {})", config.model_type);
+  NIBBLE_CHECK(options.quantize_format == "int4" || options.quantize_format == "mxfp4",
+               "--quantize-format {}: expected int4 or mxfp4", options.quantize_format);
   for (auto& a : kArchitectures) {
     if (config.model_type != a.model_type) continue;
     std::unique_ptr<WeightSource> source;
     if (options.load_format == "dummy") {
       NIBBLE_CHECK(config.quant.method.empty(), "{}: --load-format dummy needs an unquantized config "
                    "(use --quantization int4 for 4-bit weights)", config.path);
-      if (options.quantization == "int4") {
-        config.quant = {.method = "gptq", .bits = 4, .group_size = options.group_size, .sym = true};
+      if (!options.quantization.empty()) {  // what a checkpoint of that format would declare
+        config.quant.method = options.quantization == "int4" ? "gptq" : "mxfp4";
+        config.quant.bits = 4;
+        config.quant.group_size = options.quantization == "int4" ? options.group_size : 32;
       }
-      source = dummy_source(config, backend, {options.quantization == "int4", options.group_size, 1});
+      source = dummy_source(config, backend, {.int4 = options.quantization == "int4",
+                                              .mxfp4 = options.quantization == "mxfp4",
+                                              .group_size = options.group_size});
     } else {
       source = checkpoint_source(std::make_shared<const Checkpoint>(Checkpoint::open(model_dir)),
                                  config, backend);
     }
-    source->quantize_at_load(options.quantize_layers, options.quantize_group_size);
+    source->quantize_at_load(options.quantize_layers, options.quantize_group_size, options.quantize_format);
     auto model = a.create(config, *source, backend);
     source->finish();
     model->set_use_graphs(!options.enforce_eager);

@@ -12,7 +12,7 @@ namespace nibble {
 
 std::string linear_role(const std::string& prefix) {
   if (prefix == "lm_head") return "lm_head";
-  if (prefix.ends_with(".mlp.gate")) return "router";
+  if (prefix.ends_with(".mlp.gate") || prefix.ends_with(".mlp.router")) return "router";
   if (prefix.ends_with(".self_attn.q_proj") || prefix.ends_with(".self_attn.k_proj") ||
       prefix.ends_with(".self_attn.v_proj"))
     return "qkv";
@@ -29,7 +29,16 @@ class CheckpointSource final : public WeightSource {
 
   LinearWeight load_linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias, int int4_group) override {
     LinearWeight host = loader_.linear(prefix, n, k, has_bias);
-    if (int4_group > 0 && host.format != WeightFormat::kInt4) {
+    if (int4_group > 0 && quantizes_to_mxfp4() && host.format != WeightFormat::kInt4) {
+      NIBBLE_CHECK(k % kMxfp4Block == 0, "--quantize-layers: '{}' has {} inputs, not a multiple of {} (MXFP4 "
+                   "blocks)", prefix, k, kMxfp4Block);
+      LinearWeight q = mxfp4_weight(prefix, quantize_mxfp4(n, k, [&](int64_t row, float* out) {
+                                      host.row_f32(row, out);
+                                    }));
+      q.bias = host.bias;
+      q.storage.insert(q.storage.end(), host.storage.begin(), host.storage.end());
+      host = std::move(q);
+    } else if (int4_group > 0 && host.format != WeightFormat::kInt4) {
       NIBBLE_CHECK(k % 8 == 0, "--quantize-layers: '{}' has {} inputs, not a multiple of 8", prefix, k);
       LinearWeight q = int4_weight(prefix, quantize_int4(n, k, int4_group, false, [&](int64_t row, float* out) {
                                      host.row_f32(row, out);
@@ -48,6 +57,17 @@ class CheckpointSource final : public WeightSource {
     std::vector<MlpWeights> out;
     for (MlpWeights& e : loader_.experts(prefix, n_experts, inter, hidden))
       out.push_back({keep(backend_.upload(e.gate)), keep(backend_.upload(e.up)), keep(backend_.upload(e.down))});
+    return out;
+  }
+  std::vector<MlpWeights> gpt_oss_experts(const std::string& prefix, int64_t n_experts, int64_t inter,
+                                          int64_t hidden) override {
+    std::vector<MlpWeights> out;
+    for (MlpWeights& e : loader_.gpt_oss_experts(prefix, n_experts, inter, hidden)) {
+      MlpWeights m;
+      m.gate_up = keep(backend_.upload(e.gate_up));
+      m.down = keep(backend_.upload(e.down));
+      out.push_back(std::move(m));
+    }
     return out;
   }
   bool has(const std::string& prefix) const override {
@@ -119,6 +139,22 @@ class DummySource final : public WeightSource {
     }
     return out;
   }
+  std::vector<MlpWeights> gpt_oss_experts(const std::string& prefix, int64_t n_experts, int64_t inter,
+                                          int64_t hidden) override {
+    std::vector<MlpWeights> out;
+    for (int64_t e = 0; e < n_experts; ++e) {
+      const std::string p = prefix + "." + std::to_string(e);
+      MlpWeights m;
+      m.gate_up = o_.mxfp4 ? random_mxfp4(p + ".gate_up_proj", 2 * inter, hidden)
+                           : load_linear(p + ".gate_up_proj", 2 * inter, hidden, false, 0);
+      m.down = o_.mxfp4 ? random_mxfp4(p + ".down_proj", hidden, inter) : load_linear(p + ".down_proj", hidden, inter,
+                                                                                     false, 0);
+      m.gate_up.bias = static_cast<const float*>(fill(m.gate_up, DType::F32, 2 * inter, -0.1f, 0.1f));
+      m.down.bias = static_cast<const float*>(fill(m.down, DType::F32, hidden, -0.1f, 0.1f));
+      out.push_back(std::move(m));
+    }
+    return out;
+  }
   bool has(const std::string& prefix) const override { return !(prefix == "lm_head" && tied_); }
 
  private:
@@ -127,6 +163,19 @@ class DummySource final : public WeightSource {
     backend_.fill_random(buf->data(), dtype, count, lo, hi, next_seed());
     w.storage.push_back(buf);
     return buf->data();
+  }
+  // Random codes and scales 2^-9 .. 2^-7: weights of magnitude up to ~0.05, like gpt-oss's.
+  LinearWeight random_mxfp4(const std::string& name, int64_t n, int64_t k) {
+    NIBBLE_CHECK(k % kMxfp4Block == 0, "--quantization mxfp4: '{}' has {} inputs, not a multiple of {}", name, k,
+                 kMxfp4Block);
+    LinearWeight w;
+    w.name = name;
+    w.n = n;
+    w.k = k;
+    w.format = WeightFormat::kMxfp4;
+    w.mxfp4.codes = static_cast<const uint8_t*>(fill(w, DType::U8, n * k / 2, 0, 255));
+    w.mxfp4.scales = static_cast<const uint8_t*>(fill(w, DType::U8, n * k / kMxfp4Block, 118, 120));
+    return backend_.prepare(w);
   }
   uint64_t next_seed() { return o_.seed * 0x9e3779b97f4a7c15ull + ++counter_; }
   Backend& backend_;

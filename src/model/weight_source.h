@@ -31,9 +31,11 @@ class WeightSource {
                       const std::string& role = {}) {
     return load_linear(prefix, n, k, has_bias, quantizes(role.empty() ? linear_role(prefix) : role) ? group_ : 0);
   }
-  void quantize_at_load(std::vector<std::string> roles, int group_size) {
+  // format "int4" (groups of group_size) or "mxfp4" (blocks of 32, group_size unused).
+  void quantize_at_load(std::vector<std::string> roles, int group_size, const std::string& format = "int4") {
     roles_ = std::move(roles);
     group_ = group_size;
+    mxfp4_ = format == "mxfp4";
   }
   bool quantizes(const std::string& role) const {
     return !role.empty() && std::find(roles_.begin(), roles_.end(), role) != roles_.end();
@@ -41,19 +43,25 @@ class WeightSource {
   virtual WeightVector vector(const std::string& name, int64_t n) = 0;
   virtual std::vector<MlpWeights> experts(const std::string& prefix, int64_t n_experts,
                                           int64_t inter, int64_t hidden) = 0;
+  // gpt-oss's fused experts with biases and interleaved gate/up (WeightLoader::gpt_oss_experts).
+  virtual std::vector<MlpWeights> gpt_oss_experts(const std::string& prefix, int64_t n_experts, int64_t inter,
+                                                  int64_t hidden) = 0;
   // Whether the source stores module `prefix` (e.g. an lm_head apart from tied embeddings).
   virtual bool has(const std::string& prefix) const = 0;
   // Called once every module is loaded: reports tensors nothing claimed.
   virtual void finish() {}
 
  protected:
-  // int4_group > 0: quantize a 16/32-bit module to INT4 in groups of that size.
+  // int4_group > 0: quantize a 16/32-bit module to 4 bits: INT4 in groups of that size, or MXFP4
+  // when quantizes_to_mxfp4().
   virtual LinearWeight load_linear(const std::string& prefix, int64_t n, int64_t k, bool has_bias,
                                    int int4_group) = 0;
+  bool quantizes_to_mxfp4() const { return mxfp4_; }
 
  private:
   std::vector<std::string> roles_;
   int group_ = 128;
+  bool mxfp4_ = false;
 };
 
 std::unique_ptr<WeightSource> checkpoint_source(std::shared_ptr<const Checkpoint> ckpt,
@@ -61,6 +69,7 @@ std::unique_ptr<WeightSource> checkpoint_source(std::shared_ptr<const Checkpoint
 
 struct DummyOptions {
   bool int4 = false;     // every *_proj Linear as INT4 (router, embeddings, lm_head stay BF16)
+  bool mxfp4 = false;    // gpt-oss experts as MXFP4, as its checkpoints ship them (else BF16)
   int group_size = 128;
   uint64_t seed = 1;
 };

@@ -1,5 +1,7 @@
 #include "model/weights.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/status.h"
@@ -12,6 +14,7 @@ const char* weight_format_name(WeightFormat f) {
     case WeightFormat::kF16: return "F16";
     case WeightFormat::kBF16: return "BF16";
     case WeightFormat::kInt4: return "INT4";
+    case WeightFormat::kMxfp4: return "MXFP4";
   }
   return "?";
 }
@@ -36,6 +39,9 @@ void LinearWeight::row_f32(int64_t row, float* out) const {
       NIBBLE_ASSERT(int4.layout == Int4Layout::kRowMajor);
       dequantize_int4_row(int4.codes, int4.scales, int4.zeros, k, int4.group_size, int4.n_groups,
                           row, out);
+      return;
+    case WeightFormat::kMxfp4:
+      dequantize_mxfp4_row(mxfp4.codes, mxfp4.scales, k, row, out);
       return;
   }
 }
@@ -72,6 +78,24 @@ LinearWeight int4_weight(const std::string& name, Int4Matrix matrix) {
   return w;
 }
 
+LinearWeight mxfp4_weight(const std::string& name, Mxfp4Matrix matrix) {
+  auto owned = std::make_shared<const Mxfp4Matrix>(std::move(matrix));
+  LinearWeight w;
+  w.name = name;
+  w.n = owned->n;
+  w.k = owned->k;
+  w.format = WeightFormat::kMxfp4;
+  w.mxfp4 = {owned->codes.data(), owned->scales.data()};
+  w.storage.push_back(owned);
+  return w;
+}
+
+float moe_activation(MoeActivation act, float gate, float up, float alpha, float limit) {
+  if (act == MoeActivation::kSiluMul) return gate / (1.f + std::exp(-gate)) * up;
+  const float g = std::min(gate, limit), u = std::clamp(up, -limit, limit);
+  return (u + 1.f) * g / (1.f + std::exp(-alpha * g));
+}
+
 WeightVector host_vector(std::vector<float> values) {
   auto owned = std::make_shared<const std::vector<float>>(std::move(values));
   return {owned->data(), int64_t(owned->size()), owned};
@@ -84,6 +108,8 @@ size_t LinearWeight::bytes() const {
     case WeightFormat::kBF16: return size_t(n * k * 2);
     case WeightFormat::kInt4:  // as stored in checkpoints: 4-bit codes, f16 scales, 4-bit zeros
       return size_t(n * ((k + 1) / 2) + n * int4.n_groups * 2 + n * int4.n_groups / 2);
+    case WeightFormat::kMxfp4:  // codes and one scale byte per 32
+      return size_t(n * k / 2 + n * k / kMxfp4Block);
   }
   return 0;
 }

@@ -103,6 +103,7 @@ struct OpenAiServer::Impl {
     load.enforce_eager = o.enforce_eager;
     load.kv_cache_dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
     load.quantize_layers = parse_quantize_layers(o.quantize_layers);
+    load.quantize_format = o.quantize_format;
     load.load_format = o.load_format;
     load.quantization = o.quantization;
     model = load_model(o.model_dir, *backend, load);

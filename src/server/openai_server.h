@@ -21,7 +21,8 @@ struct ServeOptions {
   int64_t max_num_batched_tokens = 2048;  // tokens per engine step: decode tokens plus prompt chunks
   std::string reasoning_parser = "auto";  // auto (on when the chat template writes </think>), qwen3, none
   std::string kv_cache_dtype = "auto";
-  std::string quantize_layers;  // --quantize-layers: roles quantized to INT4 at load
+  std::string quantize_layers;  // --quantize-layers: roles quantized to 4 bits at load
+  std::string quantize_format = "int4";  // --quantize-format: int4 or mxfp4
   bool enforce_eager = false;
   // KV cache size: kv_cache_memory_bytes when set, else (GPU) this fraction of the device's
   // memory for everything nibble holds there, else (CPU) up to 4 GiB.

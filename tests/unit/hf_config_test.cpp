@@ -61,6 +61,77 @@ constexpr const char* kQwen3CoderConfig = R"json({
   "vocab_size": 151936
 })json";
 
+// gpt-oss-20b's config.json as published in a third-party copy (jihengzhang/jihz-gpt-oss-20b; the
+// official file adds quantization_config, which GptOss20bRealConfig adds the way the converter
+// writes it), verbatim.
+constexpr const char* kGptOss20bConfig = R"json({
+  "architectures": [
+    "GptOssForCausalLM"
+  ],
+  "attention_bias": true,
+  "attention_dropout": 0.0,
+  "eos_token_id": 200002,
+  "experts_per_token": 4,
+  "head_dim": 64,
+  "hidden_act": "silu",
+  "hidden_size": 2880,
+  "initial_context_length": 4096,
+  "initializer_range": 0.02,
+  "intermediate_size": 2880,
+  "layer_types": [
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention"
+  ],
+  "max_position_embeddings": 131072,
+  "model_type": "gpt_oss",
+  "num_attention_heads": 64,
+  "num_experts_per_tok": 4,
+  "num_hidden_layers": 24,
+  "num_key_value_heads": 8,
+  "num_local_experts": 32,
+  "output_router_logits": false,
+  "pad_token_id": 199999,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": {
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "factor": 32.0,
+    "original_max_position_embeddings": 4096,
+    "rope_type": "yarn",
+    "truncate": false
+  },
+  "rope_theta": 150000,
+  "router_aux_loss_coef": 0.9,
+  "sliding_window": 128,
+  "swiglu_limit": 7.0,
+  "tie_word_embeddings": false,
+  "transformers_version": "4.55.0.dev0",
+  "use_cache": true,
+  "vocab_size": 201088
+})json";
+
 const std::string kPath = "/models/test/config.json";
 
 // A small dense config that parses; error tests break one field of it.
@@ -165,12 +236,13 @@ struct YarnRef {
   std::vector<double> inv_freq;
   double attention_factor;
 };
-YarnRef yarn_reference(int dim, double base, double factor, double orig, double beta_fast, double beta_slow) {
+YarnRef yarn_reference(int dim, double base, double factor, double orig, double beta_fast, double beta_slow,
+                       bool truncate = true) {
   auto corr = [&](double rotations) {
     return dim * std::log(orig / (rotations * 2 * std::numbers::pi)) / (2 * std::log(base));
   };
-  double low = std::max(std::floor(corr(beta_fast)), 0.0);
-  double high = std::min(std::ceil(corr(beta_slow)), double(dim - 1));
+  double low = std::max(truncate ? std::floor(corr(beta_fast)) : corr(beta_fast), 0.0);
+  double high = std::min(truncate ? std::ceil(corr(beta_slow)) : corr(beta_slow), double(dim - 1));
   if (low == high) high += 0.001;
   YarnRef r;
   r.attention_factor = 0.1 * std::log(factor) + 1.0;
@@ -206,6 +278,51 @@ TEST(HfConfig, YarnInvFreqMatchesTransformers) {
     EXPECT_LT(interpolated + extrapolated, cs.dim / 2);
     EXPECT_NEAR(t.attention_factor, ref.attention_factor, 1e-6);
   }
+}
+
+TEST(HfConfig, GptOss20bRealConfig) {
+  json j = json::parse(kGptOss20bConfig);
+  j["quantization_config"] = {{"quant_method", "mxfp4"},
+                              {"modules_to_not_convert", {"model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                          "model.embed_tokens", "lm_head"}}};
+  ModelConfig c = parse_model_config(j, kPath);
+  EXPECT_EQ(c.model_type, "gpt_oss");
+  EXPECT_EQ(c.hidden_size, 2880);
+  EXPECT_EQ(c.head_dim, 64);  // q: 64 heads x 64 = 4096 > hidden
+  EXPECT_EQ(c.num_attention_heads, 64);
+  EXPECT_EQ(c.num_key_value_heads, 8);
+  EXPECT_EQ(c.num_experts, 32);  // num_local_experts
+  EXPECT_EQ(c.num_experts_per_tok, 4);
+  EXPECT_EQ(c.moe_intermediate_size, 2880);  // intermediate_size: gpt-oss has no moe_intermediate_size
+  EXPECT_TRUE(c.attention_bias);
+  EXPECT_DOUBLE_EQ(c.swiglu_limit, 7.0);
+  EXPECT_EQ(c.sliding_window, 128);
+  ASSERT_EQ(c.layer_types.size(), 24u);
+  for (int64_t i = 0; i < 24; ++i) EXPECT_EQ(c.layer_window(i), i % 2 == 0 ? 128 : 0) << "layer " << i;
+  EXPECT_EQ(c.quant.method, "mxfp4");
+  EXPECT_EQ(c.quant.modules_to_not_convert.size(), 4u);
+  EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{200002});
+  EXPECT_EQ(c.rope.type, "yarn");
+  EXPECT_FALSE(c.rope.truncate);
+
+  // YaRN without truncation (the correction range is not rounded to whole dimensions).
+  RopeTable t = make_rope_table(c);
+  YarnRef ref = yarn_reference(64, 150000, 32, 4096, 32, 1, false);
+  ASSERT_EQ(size_t(t.inv_freq.n), ref.inv_freq.size());
+  for (size_t i = 0; i < ref.inv_freq.size(); ++i)
+    EXPECT_NEAR(t.inv_freq.data[i], ref.inv_freq[i], 1e-6 * ref.inv_freq[i]) << i;
+  EXPECT_NEAR(t.attention_factor, ref.attention_factor, 1e-6);
+  YarnRef truncated = yarn_reference(64, 150000, 32, 4096, 32, 1, true);
+  double moved = 0;
+  for (size_t i = 0; i < ref.inv_freq.size(); ++i)
+    moved = std::max(moved, std::fabs(truncated.inv_freq[i] - ref.inv_freq[i]) / ref.inv_freq[i]);
+  EXPECT_GT(moved, 1e-3) << "truncate must make a difference on this config, or the check above proves nothing";
+
+  // Without layer_types, GptOssConfig's default: even layers slide.
+  j.erase("layer_types");
+  c = parse_model_config(j, kPath);
+  EXPECT_EQ(c.layer_window(0), 128);
+  EXPECT_EQ(c.layer_window(1), 0);
 }
 
 // Parses j and returns the Error message ("" when it parses).
@@ -253,6 +370,16 @@ TEST(HfConfig, ErrorsNameFileAndField) {
   expect_error(j, {"bits"});
   j = dense(), j["quantization_config"] = q, j["quantization_config"]["desc_act"] = true;
   expect_error(j, {"desc_act"});
+
+  j = dense(), j["layer_types"] = {"full_attention", "sliding_attention", "chunked_attention"};
+  j["num_hidden_layers"] = 3, j["sliding_window"] = 64;
+  expect_error(j, {"layer_types", "chunked_attention"});
+  j = dense(), j["layer_types"] = {"full_attention"}, j["num_hidden_layers"] = 2;
+  expect_error(j, {"layer_types", "2"});
+  j = dense(), j["layer_types"] = {"sliding_attention", "full_attention"}, j["num_hidden_layers"] = 2;
+  expect_error(j, {"sliding_window"});  // a sliding layer needs a window
+  j = dense(), j["quantization_config"] = {{"quant_method", "mxfp4"}, {"modules_to_not_convert", "lm_head"}};
+  expect_error(j, {"modules_to_not_convert"});
 
   j = moe(), j["num_experts_per_tok"] = 9;
   expect_error(j, {"num_experts_per_tok"});

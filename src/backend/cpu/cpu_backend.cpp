@@ -180,7 +180,8 @@ class CpuBackend final : public Backend {
   }
 
   void attention(const float* q, const KvPages& kv, int64_t m, const int32_t* positions, int64_t max_context,
-                 int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out) override {
+                 int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out, const float* sinks,
+                 int64_t window) override {
     const int64_t group = n_head / n_head_kv, row = n_head_kv * head_dim;
 #pragma omp parallel if (m * n_head * max_context * head_dim >= kMinParallelWork)
     {
@@ -189,21 +190,24 @@ class CpuBackend final : public Backend {
       for (int64_t t = 0; t < m; ++t) {
         for (int64_t h = 0; h < n_head; ++h) {
           const int64_t kvh = h / group, n_ctx = int64_t(positions[t]) + 1;
+          const int64_t first = window > 0 ? std::max<int64_t>(0, n_ctx - window) : 0;
           NIBBLE_ASSERT(n_ctx <= max_context);
           const float* qh = q + (t * n_head + h) * head_dim;
           const int32_t* table = kv_token_table(kv.block_table, kv.seq_rows, kv.table_stride, t);
           auto pool_row = [&](int64_t j) { return kv_pool_row(table, kv.block_size_log2, j); };
-          float max_score = -INFINITY;
-          for (int64_t j = 0; j < n_ctx; ++j) {
+          // The sink is one more logit in the softmax (transformers concatenates it as a last
+          // column, subtracts the row's max and drops the column after the softmax).
+          float max_score = sinks ? sinks[h] : -INFINITY;
+          for (int64_t j = first; j < n_ctx; ++j) {
             const float* kj = load_kv(kv.k, kv.dtype, pool_row(j), row, kvh * head_dim, head_dim, scratch.data());
             scores[size_t(j)] = dot(qh, kj, head_dim) * scale;
             max_score = std::max(max_score, scores[size_t(j)]);
           }
-          float sum = 0.f;
-          for (int64_t j = 0; j < n_ctx; ++j) sum += scores[size_t(j)] = std::exp(scores[size_t(j)] - max_score);
+          float sum = sinks ? std::exp(sinks[h] - max_score) : 0.f;
+          for (int64_t j = first; j < n_ctx; ++j) sum += scores[size_t(j)] = std::exp(scores[size_t(j)] - max_score);
           float* oh = out + (t * n_head + h) * head_dim;
           std::fill(oh, oh + head_dim, 0.f);
-          for (int64_t j = 0; j < n_ctx; ++j) {
+          for (int64_t j = first; j < n_ctx; ++j) {
             const float p = scores[size_t(j)] / sum;
             const float* vj = load_kv(kv.v, kv.dtype, pool_row(j), row, kvh * head_dim, head_dim, scratch.data());
             for (int64_t d = 0; d < head_dim; ++d) oh[d] += p * vj[d];
@@ -248,7 +252,7 @@ class CpuBackend final : public Backend {
     linear(w.router, x, m, logits.data());
     moe_route(logits.data(), m, E, K, w.normalize, ids.data(), weights.data());
     std::fill(out, out + m * H, 0.f);
-    std::vector<float> rows, gate, up, result;
+    std::vector<float> rows, gate, up, both, result;
     std::vector<int64_t> slots;
     for (int64_t e = 0; e < E; ++e) {
       slots.clear();
@@ -256,15 +260,25 @@ class CpuBackend final : public Backend {
         if (ids[size_t(s)] == e) slots.push_back(s);
       if (slots.empty()) continue;
       const MlpWeights& ex = w.experts[size_t(e)];
-      const int64_t n = int64_t(slots.size()), inter = ex.gate.n;
+      const int64_t n = int64_t(slots.size()), inter = ex.inter();
       rows.resize(size_t(n * H));
       gate.resize(size_t(n * inter));
       up.resize(size_t(n * inter));
       result.resize(size_t(n * H));
       for (int64_t r = 0; r < n; ++r) std::copy_n(x + slots[size_t(r)] / K * H, H, rows.data() + r * H);
-      linear(ex.gate, rows.data(), n, gate.data());
-      linear(ex.up, rows.data(), n, up.data());
-      silu_mul(gate.data(), up.data(), n * inter, gate.data());
+      if (ex.gate_up.n) {  // rows alternate gate_j, up_j
+        both.resize(size_t(n * 2 * inter));
+        linear(ex.gate_up, rows.data(), n, both.data());
+        for (int64_t i = 0; i < n * inter; ++i) {
+          gate[size_t(i)] = both[size_t(2 * i)];
+          up[size_t(i)] = both[size_t(2 * i + 1)];
+        }
+      } else {
+        linear(ex.gate, rows.data(), n, gate.data());
+        linear(ex.up, rows.data(), n, up.data());
+      }
+      for (int64_t i = 0; i < n * inter; ++i)
+        gate[size_t(i)] = moe_activation(w.activation, gate[size_t(i)], up[size_t(i)], w.swiglu_alpha, w.swiglu_limit);
       linear(ex.down, gate.data(), n, result.data());
       for (int64_t r = 0; r < n; ++r) {
         const float wt = weights[size_t(slots[size_t(r)])];

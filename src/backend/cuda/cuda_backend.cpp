@@ -203,6 +203,8 @@ class CudaBackend final : public Backend {
   }
 
   LinearWeight upload(const LinearWeight& host) override {
+    NIBBLE_CHECK(host.format != WeightFormat::kMxfp4, "{}: MXFP4 weights are not supported by the CUDA backend "
+                 "yet; run with --device cpu", host.name);
     LinearWeight w = host;
     w.storage.clear();
     if (host.format == WeightFormat::kInt4 && cuda::int4_interleavable(host.k, host.int4.group_size)) {
@@ -286,6 +288,8 @@ class CudaBackend final : public Backend {
   }
 
   LinearWeight prepare(const LinearWeight& w) override {
+    NIBBLE_CHECK(w.format != WeightFormat::kMxfp4, "{}: MXFP4 weights are not supported by the CUDA backend "
+                 "yet; run with --device cpu", w.name);
     if (w.format != WeightFormat::kInt4 || w.int4.layout != Int4Layout::kRowMajor ||
         !cuda::int4_interleavable(w.k, w.int4.group_size))
       return w;
@@ -334,7 +338,18 @@ class CudaBackend final : public Backend {
     gemv(w, a, m, x, {nullptr, 0.f, true});
   }
 
+  // gpt-oss's experts (biases, gate/up interleaved, clamped SwiGLU) and biased router are CPU-only so far.
+  static void check_moe_supported(const MoeWeights& w) {
+    const bool plain = w.activation == MoeActivation::kSiluMul && !w.router.bias &&
+                       std::all_of(w.experts.begin(), w.experts.end(), [](const MlpWeights& e) {
+                         return !e.gate_up.n && !e.gate.bias && !e.up.bias && !e.down.bias;
+                       });
+    NIBBLE_CHECK(plain, "moe: experts with biases or gpt-oss's clamped SwiGLU, or a router with a bias, are not "
+                 "supported by the CUDA backend yet; run with --device cpu");
+  }
+
   void rms_norm_moe_add(const WeightVector& norm, float eps, const MoeWeights& w, int64_t m, float* x) override {
+    check_moe_supported(w);
     if (!moe_decode(w, m)) return Backend::rms_norm_moe_add(norm, eps, w, m, x);
     OpProfiler::Scope scope(profiler_, "norm+moe+add");
     run_moe_decode(w, x, norm.data, eps, m, x, true);
@@ -378,8 +393,11 @@ class CudaBackend final : public Backend {
   }
 
   void attention(const float* q, const KvPages& kv, int64_t m, const int32_t* positions, int64_t max_context,
-                 int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out) override {
+                 int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out, const float* sinks,
+                 int64_t window) override {
     OpProfiler::Scope scope(profiler_, "attention");
+    NIBBLE_CHECK(!sinks && window == 0, "attention: sinks and sliding windows (gpt-oss) are not supported by the "
+                 "CUDA backend yet; run with --device cpu");
     NIBBLE_CHECK(head_dim <= cuda::kAttentionMaxHeadDim, "attention: head_dim {} exceeds {}",
                  head_dim, cuda::kAttentionMaxHeadDim);
     unsigned* counters = attention_counters_.data<unsigned>();
@@ -430,6 +448,7 @@ class CudaBackend final : public Backend {
 
   void moe(const MoeWeights& w, const float* x, int64_t m, float* out) override {
     OpProfiler::Scope scope(profiler_, "moe");
+    check_moe_supported(w);
     if (moe_decode(w, m)) {
       run_moe_decode(w, x, nullptr, 0.f, m, out, false);
       return;

@@ -11,5 +11,6 @@ namespace nibble {
 using CreateModelFn = std::unique_ptr<Model> (*)(const ModelConfig&, WeightSource&, Backend&);
 
 std::unique_ptr<Model> create_qwen3_moe(const ModelConfig&, WeightSource&, Backend&);
+std::unique_ptr<Model> create_gpt_oss(const ModelConfig&, WeightSource&, Backend&);
 
 }  // namespace nibble
