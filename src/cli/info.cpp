@@ -52,13 +52,19 @@ void info(const InfoOptions& o) {
   for (auto& [name, t] : ckpt.tensors()) {
     const bool gptq_part = name.ends_with(".qzeros") || name.ends_with(".scales") ||
                            name.ends_with(".g_idx");
-    double params = name.ends_with(".qweight") ? double(t->numel()) * 8 : gptq_part ? 0 : double(t->numel());
+    // gpt-oss MXFP4: `_blocks` hold two weights a byte, `_scales` belong to them.
+    const bool mxfp4 = name.ends_with("_blocks"), mxfp4_part = name.ends_with("_scales");
+    double params = name.ends_with(".qweight") ? double(t->numel()) * 8
+                    : mxfp4                    ? double(t->numel()) * 2
+                    : gptq_part || mxfp4_part  ? 0
+                                               : double(t->numel());
     std::string fmt_name = name.ends_with(".qweight") || gptq_part
                                ? fmt::format("INT4 ({} g{}{})", c.quant.method, c.quant.group_size,
                                              c.quant.sym ? " sym" : " asym")
-                               : std::string(dtype_name(t->dtype));
+                           : mxfp4 || mxfp4_part ? std::string("MXFP4 (e2m1, e8m0/32)")
+                                                 : std::string(dtype_name(t->dtype));
     auto& f = formats[fmt_name];
-    f.tensors += gptq_part ? 0 : 1;
+    f.tensors += gptq_part || mxfp4_part ? 0 : 1;
     f.params += int64_t(params);
     f.bytes += int64_t(t->nbytes);
     total_params += params;
@@ -79,6 +85,8 @@ void info(const InfoOptions& o) {
   const double bytes_per_token = bytes_dense + bytes_experts * active_fraction +
                                  (tied ? embed_bytes : embed_row_bytes);
   const int64_t kv_elems_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim;
+  int64_t sliding_layers = 0;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) sliding_layers += c.layer_window(i) > 0;
 
   if (o.json) {
     nlohmann::json j = {{"model_type", c.model_type}, {"supported", supported},
@@ -90,7 +98,8 @@ void info(const InfoOptions& o) {
                         {"params_active_per_token", int64_t(active_params)},
                         {"weight_bytes_per_token", int64_t(bytes_per_token)},
                         {"kv_bytes_per_token_bf16", kv_elems_per_token * 2},
-                        {"kv_bytes_per_token_f32", kv_elems_per_token * 4}};
+                        {"kv_bytes_per_token_f32", kv_elems_per_token * 4},
+                        {"sliding_window_layers", sliding_layers}, {"sliding_window", c.sliding_window}};
     for (auto& [name, f] : formats)
       j["formats"][name] = {{"tensors", f.tensors}, {"params", f.params}, {"bytes", f.bytes}};
     fmt::print("{}\n", j.dump(2));
@@ -116,6 +125,12 @@ void info(const InfoOptions& o) {
   fmt::print("KV cache per token: {} in f16 (the default), {} in fp8, {} in f32 (--kv-cache-dtype)\n",
              human_bytes(double(kv_elems_per_token * 2)), human_bytes(double(kv_elems_per_token)),
              human_bytes(double(kv_elems_per_token * 4)));
+  if (sliding_layers > 0)
+    fmt::print("sliding window: {} of {} layers attend to the last {} positions (the cache still stores every "
+               "position of them; {} per token in f16 is what the other layers need)\n",
+               sliding_layers, c.num_hidden_layers, c.sliding_window,
+               human_bytes(double(kv_elems_per_token * 2 * (c.num_hidden_layers - sliding_layers) /
+                                  c.num_hidden_layers)));
 }
 
 }  // namespace

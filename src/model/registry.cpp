@@ -59,15 +59,18 @@ std::unique_ptr<Model> load_model(const std::string& model_dir, Backend& backend
     if (config.model_type != a.model_type) continue;
     std::unique_ptr<WeightSource> source;
     if (options.load_format == "dummy") {
-      NIBBLE_CHECK(config.quant.method.empty(), "{}: --load-format dummy needs an unquantized config "
-                   "(use --quantization int4 for 4-bit weights)", config.path);
-      if (!options.quantization.empty()) {  // what a checkpoint of that format would declare
-        config.quant.method = options.quantization == "int4" ? "gptq" : "mxfp4";
+      // gpt-oss's own config.json declares its MXFP4 experts: dummy weights follow it.
+      std::string quantization = options.quantization;
+      if (quantization.empty() && config.quant.method == "mxfp4") quantization = "mxfp4";
+      NIBBLE_CHECK(config.quant.method.empty() || config.quant.method == quantization,
+                   "{}: --load-format dummy needs an unquantized config or gpt-oss's MXFP4 one (use "
+                   "--quantization int4 for 4-bit weights)", config.path);
+      if (!quantization.empty()) {  // what a checkpoint of that format would declare
+        config.quant.method = quantization == "int4" ? "gptq" : "mxfp4";
         config.quant.bits = 4;
-        config.quant.group_size = options.quantization == "int4" ? options.group_size : 32;
+        config.quant.group_size = quantization == "int4" ? options.group_size : 32;
       }
-      source = dummy_source(config, backend, {.int4 = options.quantization == "int4",
-                                              .mxfp4 = options.quantization == "mxfp4",
+      source = dummy_source(config, backend, {.int4 = quantization == "int4", .mxfp4 = quantization == "mxfp4",
                                               .group_size = options.group_size});
     } else {
       source = checkpoint_source(std::make_shared<const Checkpoint>(Checkpoint::open(model_dir)),

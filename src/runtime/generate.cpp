@@ -29,7 +29,7 @@ Sequence::Sequence(const Model& model, const Tokenizer& tokenizer, GenerateReque
       budget_(std::min(req_.max_new_tokens, req_.max_context - n_prompt_)),
       tokens_(req_.prompt),
       sampler_(req_.sampling, req_.prompt),
-      detok_(tokenizer) {
+      detok_(tokenizer, req_.skip_special_tokens) {
   result_.finish_reason = "length";
   // Without logprobs the token is picked on the device (penalties, then the greedy argmax or the
   // temperature/top-k/top-p/min-p draw with the request's generator's next number): each step

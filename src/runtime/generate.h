@@ -25,6 +25,9 @@ struct GenerateRequest {
   std::vector<std::string> stop_strings;  // generation ends before the text that matches
   int64_t top_logprobs = -1;             // -1: no logprobs; k >= 0: chosen + top-k
   int64_t max_context = 0;               // prompt + output limit (tokens)
+  // Special tokens (<|im_end|>, harmony's <|channel|>) left out of the text; a harmony parser
+  // needs them in.
+  bool skip_special_tokens = true;
 };
 
 struct GeneratedToken {

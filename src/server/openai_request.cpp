@@ -207,6 +207,13 @@ ApiRequest parse_chat_request(const json& body, const RequestLimits& limits) {
     if (!kw->is_object()) bad("chat_template_kwargs", "'chat_template_kwargs' must be an object");
     r.chat_template_kwargs = *kw;
   }
+  // OpenAI's reasoning_effort reaches templates that read it (gpt-oss's "Reasoning: high").
+  if (const json* effort = field(body, "reasoning_effort")) {
+    if (!effort->is_string() || (*effort != "low" && *effort != "medium" && *effort != "high"))
+      bad("reasoning_effort", "'reasoning_effort' must be one of low, medium, high");
+    if (!r.chat_template_kwargs.is_object()) r.chat_template_kwargs = json::object();
+    if (!r.chat_template_kwargs.contains("reasoning_effort")) r.chat_template_kwargs["reasoning_effort"] = *effort;
+  }
   r.add_generation_prompt = get_bool(body, "add_generation_prompt").value_or(true);
   if (get_bool(body, "logprobs").value_or(false)) {
     r.logprobs = get_int(body, "top_logprobs", 0, limits.max_logprobs).value_or(0);

@@ -69,7 +69,8 @@ struct Choice {
   std::shared_ptr<EngineJob> job;
   std::string text, reasoning;
   std::vector<GeneratedToken> tokens;
-  std::unique_ptr<ReasoningParser> parser;
+  std::unique_ptr<OutputSplitter> parser;
+  json tool_calls = json::array();  // OpenAI's message.tool_calls
   std::string finish_reason;
   int64_t completion_tokens = 0, cached_tokens = 0;
   size_t text_offset = 0;  // streamed completions' logprobs
@@ -84,7 +85,8 @@ struct OpenAiServer::Impl {
   std::optional<Tokenizer> tokenizer;
   std::optional<ChatTemplate> chat_template;
   std::string template_error;
-  bool reasoning = false;
+  // How chat output is split: <think> blocks (Qwen3), harmony channels (gpt-oss), or not at all.
+  enum class Splitter { kNone, kThink, kHarmony } splitter = Splitter::kNone;
   GenerationConfig gen;
   int64_t max_model_len = 0;
   std::unique_ptr<Engine> engine;
@@ -121,13 +123,18 @@ struct OpenAiServer::Impl {
     try {
       const std::string src = load_chat_template_source(o.model_dir);
       chat_template = ChatTemplate::parse(src, o.model_dir + " chat template");
-      reasoning =
-          o.reasoning_parser == "qwen3" || (o.reasoning_parser == "auto" && src.find("</think>") != std::string::npos);
+      const bool auto_pick = o.reasoning_parser == "auto";
+      if (o.reasoning_parser == "gpt-oss" || o.reasoning_parser == "harmony" ||
+          (auto_pick && src.find("<|channel|>") != std::string::npos))
+        splitter = Splitter::kHarmony;
+      else if (o.reasoning_parser == "qwen3" || (auto_pick && src.find("</think>") != std::string::npos))
+        splitter = Splitter::kThink;
     } catch (const Error& e) {
       template_error = e.what();  // /v1/chat/completions answers with it; /v1/completions still works
     }
-    NIBBLE_CHECK(o.reasoning_parser == "auto" || o.reasoning_parser == "qwen3" || o.reasoning_parser == "none",
-                 "--reasoning-parser {}: must be auto, qwen3 or none", o.reasoning_parser);
+    NIBBLE_CHECK(o.reasoning_parser == "auto" || o.reasoning_parser == "qwen3" || o.reasoning_parser == "gpt-oss" ||
+                     o.reasoning_parser == "harmony" || o.reasoning_parser == "none",
+                 "--reasoning-parser {}: must be auto, qwen3, gpt-oss (harmony) or none", o.reasoning_parser);
     engine = std::make_unique<Engine>(*model, *tokenizer, engine_options());
   }
 
@@ -340,19 +347,23 @@ struct OpenAiServer::Impl {
         }
         prompt = tokenizer->encode(text);
         const size_t tail = text.find_last_not_of(" \t\r\n");
-        starts_in_reasoning =
-            reasoning && tail != std::string::npos && tail >= 6 && text.compare(tail - 6, 7, "<think>") == 0;
+        starts_in_reasoning = splitter == Splitter::kThink && tail != std::string::npos && tail >= 6 &&
+                              text.compare(tail - 6, 7, "<think>") == 0;
       } else {
         prompt = r.prompt_ids.empty() ? tokenizer->encode(r.prompt) : r.prompt_ids;
       }
       GenerateRequest g = make_request(r, prompt);
+      // The harmony parser reads the channel markers, and returns none of them.
+      g.skip_special_tokens = chat && splitter == Splitter::kHarmony ? false : r.skip_special_tokens;
       validate(g.sampling);
       std::vector<Choice> choices(size_t(r.n));
       for (int64_t i = 0; i < r.n; ++i) {
         GenerateRequest gi = g;
         gi.sampling.seed = g.sampling.seed + uint64_t(i);
         choices[size_t(i)].job = engine->submit(std::move(gi));
-        if (chat && reasoning) choices[size_t(i)].parser = std::make_unique<ReasoningParser>(starts_in_reasoning);
+        if (chat && splitter == Splitter::kThink)
+          choices[size_t(i)].parser = std::make_unique<ReasoningParser>(starts_in_reasoning);
+        if (chat && splitter == Splitter::kHarmony) choices[size_t(i)].parser = std::make_unique<HarmonyParser>();
       }
       const int status =
           r.stream ? stream(res, r, choices, prompt, chat, t0) : whole(res, r, choices, prompt, chat, t0);
@@ -396,6 +407,22 @@ struct OpenAiServer::Impl {
             {"prompt_tokens_details", {{"cached_tokens", choices.empty() ? 0 : choices[0].cached_tokens}}}};
   }
 
+  // A parser's tool-call deltas into c.tool_calls (OpenAI's shape, arguments concatenated).
+  static void add_tool_calls(Choice& c, const OutputSplitter::Delta& d) {
+    for (auto& t : d.tool_calls) {
+      if (!t.name.empty())
+        c.tool_calls.push_back(
+            {{"id", random_id("call")}, {"type", "function"}, {"function", {{"name", t.name}, {"arguments", ""}}}});
+      json& args = c.tool_calls[size_t(t.index)]["function"]["arguments"];
+      args = args.get<std::string>() + t.arguments;
+    }
+  }
+  static void take(Choice& c, const OutputSplitter::Delta& d) {
+    c.reasoning += d.reasoning;
+    c.text += d.content;
+    add_tool_calls(c, d);
+  }
+
   int whole(HttpResponse& res, const ApiRequest& r, std::vector<Choice>& choices, const std::vector<int32_t>& prompt,
             bool chat, Clock::time_point t0) {
     for (auto& c : choices) {
@@ -420,18 +447,13 @@ struct OpenAiServer::Impl {
           c.tokens.push_back(e->token);
         }
         if (c.parser) {
-          auto d = c.parser->push(e->text);
-          c.reasoning += d.reasoning;
-          c.text += d.content;
+          take(c, c.parser->push(e->text));
         } else {
           c.text += e->text;
         }
       }
-      if (c.parser) {
-        auto d = c.parser->flush();
-        c.reasoning += d.reasoning;
-        c.text += d.content;
-      }
+      if (c.parser) take(c, c.parser->flush());
+      if (!c.tool_calls.empty() && c.finish_reason == "stop") c.finish_reason = "tool_calls";
     }
     {
       std::lock_guard lock(metrics_mu);
@@ -446,6 +468,10 @@ struct OpenAiServer::Impl {
       if (chat) {
         json msg = {{"role", "assistant"}, {"content", c.text}};
         if (c.parser) msg["reasoning_content"] = c.reasoning.empty() ? json(nullptr) : json(c.reasoning);
+        if (!c.tool_calls.empty()) {
+          msg["tool_calls"] = c.tool_calls;
+          if (c.text.empty()) msg["content"] = nullptr;
+        }
         out_choices.push_back(
             {{"index", i}, {"message", msg}, {"logprobs", logprobs}, {"finish_reason", c.finish_reason}});
       } else {
@@ -509,24 +535,32 @@ struct OpenAiServer::Impl {
           return 400;
         }
         std::string content, reasoning_delta;
+        json tool_deltas = json::array();
+        auto split = [&](OutputSplitter::Delta d) {
+          content = d.content;
+          reasoning_delta = d.reasoning;
+          add_tool_calls(c, d);
+          for (auto& t : d.tool_calls) {
+            if (!t.name.empty())  // the call opens: its id, type and name, then argument deltas
+              tool_deltas.push_back({{"index", t.index}, {"id", c.tool_calls[size_t(t.index)]["id"]},
+                                     {"type", "function"}, {"function", {{"name", t.name}, {"arguments", t.arguments}}}});
+            else
+              tool_deltas.push_back({{"index", t.index}, {"function", {{"arguments", t.arguments}}}});
+          }
+        };
         if (e->kind == EngineEvent::kDone) {
           c.finish_reason = e->result.finish_reason;
           c.completion_tokens = int64_t(e->result.ids.size());
           c.cached_tokens = e->result.cached_tokens;
-          if (c.parser) {
-            auto d = c.parser->flush();
-            content = d.content;
-            reasoning_delta = d.reasoning;
-          }
+          if (c.parser) split(c.parser->flush());
+          if (!c.tool_calls.empty() && c.finish_reason == "stop") c.finish_reason = "tool_calls";
         } else {
           if (e->token.id >= 0) {
             observe_token(t0, last, first);
             first = false;
           }
           if (c.parser) {
-            auto d = c.parser->push(e->text);
-            content = d.content;
-            reasoning_delta = d.reasoning;
+            split(c.parser->push(e->text));
           } else {
             content = e->text;
           }
@@ -539,6 +573,8 @@ struct OpenAiServer::Impl {
           return cancel_all();
         if ((!content.empty() || !logprobs.is_null()) &&
             !res.write_chunk(chunk(i, chat ? json{{"content", content}} : json(content), nullptr, logprobs)))
+          return cancel_all();
+        if (!tool_deltas.empty() && !res.write_chunk(chunk(i, {{"tool_calls", tool_deltas}}, nullptr, nullptr)))
           return cancel_all();
         if (e->kind == EngineEvent::kDone) {
           if (!res.write_chunk(chunk(i, chat ? json::object() : json(""), c.finish_reason, nullptr)))

@@ -295,6 +295,12 @@ TEST(GptOssCheckpoint, DummyMxfp4Weights) {
   std::vector<float> logits;
   model->forward(test_tokens(8, 400), 0, kv, false, logits);
   for (float v : logits) ASSERT_TRUE(std::isfinite(v));
+  // gpt-oss's own config (quantization_config mxfp4) gets MXFP4 dummy experts without asking.
+  o.quantization.clear();
+  EXPECT_EQ(load_model(kDir, *backend, o)->weight_bytes_per_token(), model->weight_bytes_per_token());
+  o.quantization = "int4";
+  EXPECT_THROW(load_model(kDir, *backend, o), Error);  // the config says MXFP4
+  o.quantization = "mxfp4";
   // MXFP4 dummy weights are for gpt-oss's experts only.
   std::ofstream(dir / "config.json") << R"({"model_type": "qwen3", "vocab_size": 100, "hidden_size": 64,
     "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 32})";

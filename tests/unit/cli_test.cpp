@@ -144,6 +144,19 @@ TEST_F(CliTest, InfoReportsParametersAndBytes) {
   EXPECT_EQ(j["weight_bytes_per_token"].get<int64_t>(), 2 * (total - 2 * 4 * expert - 399 * 96));
 }
 
+TEST_F(CliTest, InfoCountsMxfp4ExpertsAndSlidingLayers) {
+  Result r = run_nibble("info --json -m " + fixture("tiny-gpt-oss-mxfp4"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  // 3 layers of 5 experts: gate_up 128x96 and down 96x64, two weights a byte in the blocks.
+  const int64_t experts = 3 * 5 * (128 * 96 + 96 * 64);
+  EXPECT_EQ(j["formats"]["MXFP4 (e2m1, e8m0/32)"]["params"].get<int64_t>(), experts);
+  EXPECT_EQ(j["formats"]["MXFP4 (e2m1, e8m0/32)"]["bytes"].get<int64_t>(), experts / 2 + experts / 32);
+  EXPECT_EQ(j["formats"]["MXFP4 (e2m1, e8m0/32)"]["tensors"].get<int64_t>(), 6);  // blocks; scales belong to them
+  EXPECT_EQ(j["sliding_window_layers"].get<int64_t>(), 2);
+  EXPECT_EQ(j["sliding_window"].get<int64_t>(), 5);
+}
+
 TEST_F(CliTest, QuantizeIsDeterministicAndMatchesCommittedFixture) {
   const std::string out = (tmp_ / "q").string();
   Result r = run_nibble("quantize -m " + fixture("tiny-qwen3-moe") + " -o " + out + " --group-size 32");

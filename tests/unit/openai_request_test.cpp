@@ -54,6 +54,13 @@ TEST(OpenAiRequest, ChatFieldsAndDefaults) {
   EXPECT_EQ(r.logprobs, 5);
   EXPECT_EQ(r.chat_template_kwargs["enable_thinking"], false);
   EXPECT_EQ(r.tools.size(), 1u);
+  EXPECT_FALSE(r.chat_template_kwargs.contains("reasoning_effort"));
+
+  // reasoning_effort goes to the template as a kwarg; an explicit chat_template_kwargs entry wins.
+  b["reasoning_effort"] = "high";
+  EXPECT_EQ(parse_chat_request(b).chat_template_kwargs["reasoning_effort"], "high");
+  b["chat_template_kwargs"]["reasoning_effort"] = "low";
+  EXPECT_EQ(parse_chat_request(b).chat_template_kwargs["reasoning_effort"], "low");
 }
 
 TEST(OpenAiRequest, CompletionPrompts) {
@@ -114,6 +121,8 @@ TEST(OpenAiRequest, BadRequestsNameTheParameter) {
       {R"({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]})", true, "chat_template_kwargs",
        "object"},
       {R"({"messages": [{"role": "user", "content": "x"}], "seed": "abc"})", true, "seed", "integer"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"})", true, "reasoning_effort",
+       "low, medium, high"},
       {R"({})", false, "prompt", "required"},
       {R"({"prompt": ""})", false, "prompt", "must not be empty"},
       {R"({"prompt": ["a", "b"]})", false, "prompt", "batched prompts"},
@@ -208,6 +217,89 @@ TEST(ReasoningParser, ReasoningIsNotHeldBackLongerThanATag) {
   auto d = p.push("ink>ok");
   EXPECT_EQ(d.reasoning, "");
   EXPECT_EQ(d.content, "ok");
+}
+
+}  // namespace
+}  // namespace nibble
+
+namespace nibble {
+namespace {
+
+// Output as the harmony parser splits it, pushed in chunks of `chunk` bytes.
+struct Split {
+  std::string reasoning, content;
+  std::vector<std::pair<std::string, std::string>> calls;  // name, arguments
+};
+Split run_harmony(const std::string& text, size_t chunk) {
+  HarmonyParser p;
+  Split s;
+  auto take = [&](const OutputSplitter::Delta& d) {
+    s.reasoning += d.reasoning;
+    s.content += d.content;
+    for (auto& t : d.tool_calls) {
+      if (!t.name.empty()) {
+        EXPECT_EQ(size_t(t.index), s.calls.size());
+        s.calls.push_back({t.name, ""});
+      }
+      s.calls.at(size_t(t.index)).second += t.arguments;
+    }
+  };
+  for (size_t i = 0; i < text.size(); i += chunk) take(p.push(std::string_view(text).substr(i, chunk)));
+  take(p.flush());
+  return s;
+}
+
+TEST(HarmonyParser, SplitsChannelsWhateverTheChunking) {
+  struct Case {
+    std::string text, reasoning, content;
+    std::vector<std::pair<std::string, std::string>> calls;
+  };
+  const Case cases[] = {
+      // What gpt-oss writes after `<|start|>assistant` (<|return|> is a stop token: not in the text).
+      {"<|channel|>analysis<|message|>User asks 2+2. Answer 4.<|end|><|start|>assistant<|channel|>final<|message|>"
+       "2 + 2 = 4.",
+       "User asks 2+2. Answer 4.", "2 + 2 = 4.", {}},
+      // A function call: the recipient in the channel part, a constrained format, arguments as the body.
+      {"<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+       "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}",
+       "Need weather.", "", {{"get_weather", "{\"city\": \"Oslo\"}"}}},
+      // The recipient in the role part, a preamble on commentary first, then two calls.
+      {"<|channel|>commentary<|message|>Checking both.<|end|><|start|>assistant to=functions.a<|channel|>commentary"
+       "<|message|>{}<|end|><|start|>assistant to=functions.b<|channel|>commentary json<|message|>{\"x\":1}",
+       "", "Checking both.", {{"a", "{}"}, {"b", "{\"x\":1}"}}},
+      // A built-in tool (browser) is not a client function: its call is dropped.
+      {"<|channel|>analysis<|message|>search<|end|><|start|>assistant<|channel|>analysis to=browser.search"
+       "<|message|>{\"query\": \"x\"}<|end|><|start|>assistant<|channel|>final<|message|>done",
+       "search", "done", {}},
+      // Cut off by the token limit mid-thought: reasoning so far, no content.
+      {"<|channel|>analysis<|message|>still thin", "still thin", "", {}},
+      // A model that ignores the format: all content.
+      {"Plain answer, no channels.", "", "Plain answer, no channels.", {}},
+      // Text that looks like a marker inside a body is text.
+      {"<|channel|>final<|message|>use <|channel|> tokens and <| carefully", "",
+       "use <|channel|> tokens and <| carefully", {}},
+      {"", "", "", {}},
+  };
+  for (const Case& c : cases) {
+    for (size_t chunk = 1; chunk <= std::max<size_t>(1, c.text.size()); ++chunk) {
+      Split s = run_harmony(c.text, chunk);
+      ASSERT_EQ(s.reasoning, c.reasoning) << c.text << " in chunks of " << chunk;
+      ASSERT_EQ(s.content, c.content) << c.text << " in chunks of " << chunk;
+      ASSERT_EQ(s.calls, c.calls) << c.text << " in chunks of " << chunk;
+    }
+  }
+}
+
+TEST(HarmonyParser, StreamsBodiesWithoutWaitingForTheirEnd) {
+  HarmonyParser p;
+  EXPECT_EQ(p.push("<|channel|>").reasoning, "");
+  EXPECT_EQ(p.push("analysis").reasoning, "");
+  EXPECT_EQ(p.push("<|message|>").reasoning, "");
+  EXPECT_EQ(p.push("Think").reasoning, "Think");
+  EXPECT_EQ(p.push("ing <|e").reasoning, "ing ");  // only a possible marker is held
+  auto d = p.push("nd|><|start|>assistant<|channel|>final<|message|>Hi");
+  EXPECT_EQ(d.reasoning, "");
+  EXPECT_EQ(d.content, "Hi");
 }
 
 }  // namespace
