@@ -5,6 +5,8 @@
 //   attention_decode_tc_kernel: f16 KV (the default), head_dim 64/128, GQA group <= 16, split-K
 //     on the tensor cores.
 // The split-K kernels share the partial layout and the merge by the last split block.
+// All three take gpt-oss's AttentionMods: a sliding window (keys of the last `window` positions)
+// and a learned sink logit per q head that joins each softmax's denominator.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +20,27 @@
 namespace nibble::kernels {
 
 constexpr int64_t kAttentionMaxHeadDim = 256;
+
+// gpt-oss's attention options (Backend::attention): sinks [n_head] or null, window 0 for none.
+struct AttentionMods {
+  const float* sinks = nullptr;
+  int64_t window = 0;
+};
+// The first position a query at n_ctx - 1 sees.
+__device__ __forceinline__ int64_t window_first(int64_t n_ctx, int64_t window) {
+  return window > 0 && n_ctx > window ? n_ctx - window : 0;
+}
+// Query head h's sink logit in natural-log units, -inf without sinks.
+__device__ __forceinline__ float sink_logit(const AttentionMods& mods, int64_t h) {
+  return mods.sinks ? mods.sinks[h] : -__builtin_huge_valf();
+}
+// The softmax denominator's sink term folded into (max, sum, value) on the way out: the result is
+// value · e^(max - m') / (sum · e^(max - m') + e^(sink - m')), m' = max(max, sink).
+__device__ __forceinline__ float with_sink(float value, float max_ln, float sum, float sink) {
+  if (sink == -__builtin_huge_valf()) return value / sum;
+  const float m2 = fmaxf(max_ln, sink), a = expf(max_ln - m2);
+  return value * a / (sum * a + expf(sink - m2));
+}
 
 // One step of the online softmax: folds a score and its value row (this lane's dims
 // lane + 32 j) into the running max, running sum and unnormalised output.
@@ -39,7 +62,7 @@ __global__ void attention_online_warp_kernel(const float* __restrict__ q, const 
                                              const int32_t* __restrict__ seq_rows, int64_t table_stride,
                                              int block_size_log2, float* __restrict__ out, int64_t m,
                                              const int32_t* __restrict__ positions, int64_t n_head,
-                                             int64_t n_head_kv, int64_t head_dim, float scale) {
+                                             int64_t n_head_kv, int64_t head_dim, float scale, AttentionMods mods) {
   const int64_t pair = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (pair >= m * n_head) return;
@@ -56,7 +79,7 @@ __global__ void attention_online_warp_kernel(const float* __restrict__ q, const 
   }
   float running_max = -INFINITY, running_sum = 0.f;
   const int64_t n_ctx = int64_t(positions[t]) + 1;
-  for (int64_t pos = 0; pos < n_ctx; ++pos) {
+  for (int64_t pos = window_first(n_ctx, mods.window); pos < n_ctx; ++pos) {
     const int64_t row = kv_pool_row(block_table, block_size_log2, pos);
     const T* kp = k + (row * n_head_kv + kv) * head_dim;
     const T* vp = v + (row * n_head_kv + kv) * head_dim;
@@ -75,7 +98,7 @@ __global__ void attention_online_warp_kernel(const float* __restrict__ q, const 
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const int64_t d = lane + 32 * j;
-    if (d < head_dim) oh[d] = acc[j] / running_sum;
+    if (d < head_dim) oh[d] = with_sink(acc[j], running_max, running_sum, sink_logit(mods, h));
   }
 }
 
@@ -88,14 +111,15 @@ namespace nibble::kernels {
 __host__ __device__ constexpr int64_t decode_partial_stride(int64_t head_dim) { return head_dim + 4; }
 
 // Element d of one head's result from one split: with `only` (the single split holding
-// positions) the normalised output, else the split's partial in the layout above (value
-// unnormalised, the max in natural-log units, the softmax sum) for decode_merge_last_split.
+// positions) the normalised output (with the head's sink logit, -inf for none), else the split's
+// partial in the layout above (value unnormalised, the max in natural-log units, the softmax sum)
+// for decode_merge_last_split.
 template <int HD>
 __device__ __forceinline__ void decode_store_split(float* __restrict__ out, float* __restrict__ partial, int64_t head,
                                                    int64_t split, int64_t n_splits, bool only, int d, float value,
-                                                   float max_ln, float sum) {
+                                                   float max_ln, float sum, float sink) {
   if (only) {
-    out[head * HD + d] = value / sum;
+    out[head * HD + d] = with_sink(value, max_ln, sum, sink);
   } else {
     float* p = partial + (head * n_splits + split) * decode_partial_stride(HD);
     p[4 + d] = value;
@@ -104,7 +128,8 @@ __device__ __forceinline__ void decode_store_split(float* __restrict__ out, floa
 }
 
 // The merge of a (token, kv head)'s split partials, run by the last of its splits holding
-// positions (n_active; a counter per pair, reset here), so there is no merge launch. Each thread
+// positions (splits first .. n_active - 1, the first past a sliding window's start; a counter per
+// pair, reset here), so there is no merge launch. Each thread
 // owns one float4 of one head's output and walks the splits once with an online softmax: per
 // batch of kMergeBatch splits all (max, sum) pairs and partial vectors are loaded at once
 // (independent 8- and 16-byte loads, the same addresses across a head's threads), so 33 splits
@@ -115,13 +140,14 @@ constexpr int kMergeBatch = 16;
 template <int G, int HD, int kThreads>
 __device__ void decode_merge_last_split(const float* __restrict__ partial, float* __restrict__ out,
                                         unsigned* __restrict__ counters, int64_t t, int64_t kv, int64_t group,
-                                        int64_t n_head, int64_t n_splits, int64_t n_active) {
+                                        int64_t n_head, int64_t n_splits, int64_t first, int64_t n_active,
+                                        const AttentionMods& mods) {
   __shared__ bool last;
   const int tid = threadIdx.x;
   __syncthreads();
   if (tid == 0) {
     __threadfence();
-    last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(n_active) - 1;
+    last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(n_active - first) - 1;
   }
   __syncthreads();
   if (!last) return;
@@ -134,7 +160,7 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
     const float* p = partial + head * n_splits * decode_partial_stride(HD);
     float mx = -kInf, l = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int64_t s0 = 0; s0 < n_active; s0 += kMergeBatch) {
+    for (int64_t s0 = first; s0 < n_active; s0 += kMergeBatch) {
       float2 ml[kMergeBatch];
       float4 v[kMergeBatch];
 #pragma unroll
@@ -151,6 +177,12 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
         o = make_float4(o.x * a + v[j].x * b, o.y * a + v[j].y * b, o.z * a + v[j].z * b, o.w * a + v[j].w * b);
         mx = m2;
       }
+    }
+    const float sink = sink_logit(mods, kv * group + h);
+    if (sink != -kInf) {  // the sink joins the denominator (with_sink, for a float4)
+      const float m2 = fmaxf(mx, sink), a = expf(mx - m2);
+      l = l * a + expf(sink - m2);
+      o = make_float4(o.x * a, o.y * a, o.z * a, o.w * a);
     }
     const float inv = 1.f / l;
     reinterpret_cast<float4*>(out + head * HD)[d4] = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
@@ -203,7 +235,7 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
                         int64_t table_stride, int block_size_log2,
                         float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
                         const int32_t* __restrict__ positions, int64_t n_head, int64_t n_head_kv, float scale,
-                        int64_t n_splits) {
+                        int64_t n_splits, AttentionMods mods) {
   constexpr int kQuads = HD / 4;                       // float4 columns of a row
   constexpr int kGroups = kDecodeThreads / kQuads;     // position groups in stage 3
   __shared__ __align__(16) float qs[G][HD];
@@ -217,15 +249,17 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
   const int64_t row_stride = n_head_kv * HD;
   const float* kbase = k + kv * HD;
   const float* vbase = v + kv * HD;
-  const int64_t begin = split * SPLIT;
+  // The split's positions [lo, end): from its start or the window's, whichever is later. Every
+  // split reaches the merge, so one with none left (before the window) stores an empty partial.
+  const int64_t n_ctx = int64_t(positions[t]) + 1;
+  const int64_t begin = split * SPLIT, lo = ::max(begin, window_first(n_ctx, mods.window));
   auto row_of = [&](int64_t pos) { return kv_pool_row(block_table, block_size_log2, pos) * row_stride; };
-  prefetch_split_rows<HD, kDecodeThreads>(kbase, vbase, block_table, block_size_log2, row_stride, begin, SPLIT,
-                                          positions[t]);
+  prefetch_split_rows<HD, kDecodeThreads>(kbase, vbase, block_table, block_size_log2, row_stride, lo,
+                                          ::max(int64_t(0), begin + SPLIT - lo), positions[t]);
   NIBBLE_TIMELINE_BLOCK(kAttention);
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();
-  const int64_t n_ctx = int64_t(positions[t]) + 1;
-  const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT)), count = ::max(int64_t(0), end - begin);
+  const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT)), count = ::max(int64_t(0), end - lo);
 
   for (int i = tid; i < G * HD; i += kDecodeThreads) {
     const int h = i / HD, d = i % HD;
@@ -234,7 +268,7 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
   __syncthreads();
   // 1. Scores.
   if (tid < count) {
-    const float4* kr = reinterpret_cast<const float4*>(kbase + row_of(begin + tid));
+    const float4* kr = reinterpret_cast<const float4*>(kbase + row_of(lo + tid));
     float s[G] = {};
 #pragma unroll 8
     for (int c = 0; c < kQuads; ++c) {
@@ -272,7 +306,7 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
     for (int h = 0; h < G; ++h) acc[h] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
     for (int i = g; i < count; i += kGroups) {
-      const float4 v4 = reinterpret_cast<const float4*>(vbase + row_of(begin + i))[quad];
+      const float4 v4 = reinterpret_cast<const float4*>(vbase + row_of(lo + i))[quad];
 #pragma unroll
       for (int h = 0; h < G; ++h) {
         const float p = sc[h][i];
@@ -291,10 +325,11 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
 #pragma unroll 4
     for (int g = 0; g < kGroups; ++g) o += red[g][h][d];
     decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, n_splits == 1, d, o, s_max[h],
-                           s_sum[h]);
+                           s_sum[h], sink_logit(mods, kv * group + h));
   }
   if (n_splits == 1) return;
-  decode_merge_last_split<G, HD, kDecodeThreads>(partial, out, counters, t, kv, group, n_head, n_splits, n_splits);
+  decode_merge_last_split<G, HD, kDecodeThreads>(partial, out, counters, t, kv, group, n_head, n_splits, 0, n_splits,
+                                                 mods);
 }
 
 // Decode attention on the tensor cores for f16 or FP8 E4M3 KV (T; E4M3 converted to f16 exactly as
@@ -326,7 +361,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
                            int64_t table_stride, int block_size_log2,
                            float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
                            const int32_t* __restrict__ positions, int64_t n_head, int64_t n_head_kv,
-                           float scale_log2, int64_t n_splits) {
+                           float scale_log2, int64_t n_splits, AttentionMods mods) {
   static_assert(HD == 64 || HD == 128);
   static_assert(SPLIT % (WARPS * kDecodeTcTile) == 0 && (ROWS == 8 || ROWS == 16));
   constexpr int kDecodeTcWarps = WARPS;
@@ -349,12 +384,15 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   auto row_of = [&](int64_t pos) { return kv_pool_row(block_table, block_size_log2, pos) * row_stride; };
   // Splits past the token's position (the context bucket sizes the grid; the position is known
   // only on the device) end here: they write nothing and the merge counts only the others.
+  // So do splits wholly before a sliding window's first position `lo`.
   const int64_t n_ctx = int64_t(positions[t]) + 1;
   const int64_t n_active = ::min(n_splits, (n_ctx + SPLIT - 1) / SPLIT);
-  if (split >= n_active) return;
+  const int64_t lo = window_first(n_ctx, mods.window), first_split = lo / SPLIT;
+  if (split >= n_active || split < first_split) return;
   NIBBLE_TIMELINE_BLOCK(kAttentionTc);
-  prefetch_split_rows<HD, kThreads>(kbase, vbase, block_table, block_size_log2, row_stride, begin, SPLIT,
-                                    positions[t]);
+  const int64_t from = ::max(begin, lo);
+  prefetch_split_rows<HD, kThreads>(kbase, vbase, block_table, block_size_log2, row_stride, from,
+                                    begin + SPLIT - from, positions[t]);
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();
   const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT));
@@ -386,20 +424,21 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   float row_m[2] = {-kInf, -kInf}, row_l[2] = {0.f, 0.f};
 
   for (int64_t p0 = begin + warp * kDecodeTcTile; p0 < end; p0 += kDecodeTcWarps * kDecodeTcTile) {
+    if (p0 + kDecodeTcTile <= lo) continue;  // wholly before the window (a tile with `lo` has a position for every row)
     // Loads first (K: 2 rows x kChunks units, V: 4 rows x kVUnits), zeros past the end so that
     // masked positions contribute 0 · 0 (never 0 · NaN from memory no step wrote).
     uint4 kr[2][kChunks], vr[4][kVUnits];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int64_t pos = p0 + 4 * (g / 2) + 2 * j + g % 2;
-      const T* src = pos < end ? kbase + row_of(pos) + 8 * t4 : nullptr;
+      const T* src = pos < end && pos >= lo ? kbase + row_of(pos) + 8 * t4 : nullptr;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) kr[j][c] = src ? kv_load8_f16(src + 32 * c) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t pos = p0 + 4 * t4 + i;
-      const T* src = pos < end ? vbase + row_of(pos) + kDimsPerGroup * g : nullptr;
+      const T* src = pos < end && pos >= lo ? vbase + row_of(pos) + kDimsPerGroup * g : nullptr;
 #pragma unroll
       for (int u = 0; u < kVUnits; ++u) vr[i][u] = src ? kv_load8_f16(src + 8 * u) : make_uint4(0, 0, 0, 0);
     }
@@ -417,7 +456,8 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const float x = p0 + 4 * t4 + 2 * j + c % 2 < end ? s[j][c] : -kInf;
+        const int64_t pos = p0 + 4 * t4 + 2 * j + c % 2;
+        const float x = pos < end && pos >= lo ? s[j][c] : -kInf;
         s[j][c] = x;
         mx[c / 2] = fmaxf(mx[c / 2], x);
       }
@@ -467,11 +507,12 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     for (int w = 0; w < kDecodeTcWarps; ++w)
       if (s_m[w][h] != -kInf) acc += s_o[w][h][d] * exp2f(s_m[w][h] - mx);
     // The max in log2 units here, natural-log units in the partial.
-    decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, n_active == 1, d, acc,
-                           mx * 0.6931471805599453f, s_sum[h]);
+    decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, n_active - first_split == 1, d,
+                           acc, mx * 0.6931471805599453f, s_sum[h], sink_logit(mods, kv * group + h));
   }
-  if (n_active == 1) return;
-  decode_merge_last_split<ROWS, HD, kThreads>(partial, out, counters, t, kv, group, n_head, n_splits, n_active);
+  if (n_active - first_split == 1) return;
+  decode_merge_last_split<ROWS, HD, kThreads>(partial, out, counters, t, kv, group, n_head, n_splits, first_split,
+                                              n_active, mods);
 }
 
 }  // namespace nibble::kernels

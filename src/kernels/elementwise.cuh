@@ -19,6 +19,18 @@ __global__ void silu_mul_kernel(const float* __restrict__ gate, const float* __r
   out[i] = g / (1.f + expf(-g)) * up[i];
 }
 
+// gpt-oss's expert activation over gate/up rows interleaved ([rows, 2·inter]: gate_j at 2j,
+// up_j at 2j + 1) into out [rows, inter]: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g),
+// g = min(gate, limit) (weights.h moe_activation).
+__global__ void clamped_swiglu_interleaved_kernel(const float* __restrict__ gate_up, int64_t rows, int64_t inter,
+                                                  float alpha, float limit, float* __restrict__ out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * inter) return;
+  const float2 gu = reinterpret_cast<const float2*>(gate_up)[i];
+  const float g = fminf(gu.x, limit), u = fminf(fmaxf(gu.y, -limit), limit);
+  out[i] = (u + 1.f) * g / (1.f + expf(-alpha * g));
+}
+
 __global__ void add_kernel(const float* __restrict__ x, int64_t count, float* __restrict__ y) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < count) y[i] += x[i];

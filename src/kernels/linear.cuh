@@ -1,6 +1,6 @@
-// y[m, n] = x[m, k] · W[n, k]ᵀ (+ b) for f32 activations and W in f32, f16, bf16 or nibble's
+// y[m, n] = x[m, k] · W[n, k]ᵀ (+ b) for f32 activations and W in f32, f16, bf16, nibble's
 // row-major INT4 (codes [n][k/2], two per byte, low nibble first; f32 scales and u8 zeros
-// [n][n_groups]). One warp per output row: lanes stride along K so each weight row is read once,
+// [n][n_groups]) or MXFP4 (E2M1 codes [n][k/2] the same way, E8M0 scales [n][k/32]). One warp per output row: lanes stride along K so each weight row is read once,
 // coalesced, and reused for every activation row (up to kMaxRows per pass). This is the simple,
 // exact first version the tuned kernels are measured against; it does not use tensor cores.
 #pragma once
@@ -81,6 +81,35 @@ __global__ void linear_int4_warp_row_kernel(const uint8_t* __restrict__ codes,
         const int zero = zeros ? int(zeros[row * n_groups + g]) : 8;
         const float wv = float(int((packed >> (4 * half)) & 0xF) - zero) *
                          __half2float(scales[row * n_groups + g]);
+#pragma unroll
+        for (int r = 0; r < kLinearMaxRows; ++r)
+          if (m0 + r < m) acc[r] += wv * x[(m0 + r) * k + i];
+      }
+    }
+    store_warp_rows(acc, m0, m, row, n, b, y);
+  }
+}
+
+// MXFP4 (format/quant/mxfp4.h): lane i takes bytes i, i + 32, … of the row; each byte's two
+// weights share the block scale of byte / 16.
+__global__ void linear_mxfp4_warp_row_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                                             const float* __restrict__ bias, const float* __restrict__ x,
+                                             float* __restrict__ y, int64_t m, int64_t n, int64_t k) {
+  const float kE2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= n) return;
+  const int64_t row_bytes = k / 2;
+  const float b = bias ? bias[row] : 0.f;
+  for (int64_t m0 = 0; m0 < m; m0 += kLinearMaxRows) {
+    float acc[kLinearMaxRows] = {};
+    for (int64_t byte = lane; byte < row_bytes; byte += 32) {
+      const uint8_t packed = codes[row * row_bytes + byte];
+      const float scale = ldexpf(1.f, int(scales[row * (k / 32) + byte / 16]) - 127);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t i = 2 * byte + half;
+        const float wv = kE2m1[(packed >> (4 * half)) & 0xF] * scale;
 #pragma unroll
         for (int r = 0; r < kLinearMaxRows; ++r)
           if (m0 + r < m) acc[r] += wv * x[(m0 + r) * k + i];

@@ -165,13 +165,15 @@ class GpuCompareTest : public ::testing::Test {
   // Backend::attention on both backends: random q [m, n_head, head_dim] and a paged K/V cache
   // (shuffled block table, blocks of 2^block_log2 positions) holding exactly ctx positions, query
   // token t at positions[t] (m = positions.size()), the context bound max_context (a recorded
-  // decode step passes one above the real context); the outputs compared at `tolerance`.
+  // decode step passes one above the real context); the outputs compared at `tolerance`. sinks
+  // (one per q head) and window: gpt-oss's options, as Backend::attention takes them.
   struct AttentionShape {
     int64_t n_head, n_head_kv, head_dim;
   };
   void expect_attention_close(AttentionShape s, const std::vector<int32_t>& positions, int64_t ctx,
                               int64_t max_context, const std::string& what, double tolerance,
-                              DType kv_dtype = DType::F16, int block_log2 = 4) {
+                              DType kv_dtype = DType::F16, int block_log2 = 4,
+                              const std::vector<float>* sinks = nullptr, int64_t window = 0) {
     const int64_t m = int64_t(positions.size()), row = s.n_head_kv * s.head_dim;
     auto q = random(m * s.n_head * s.head_dim);
     PagedKv kv = paged_kv(ctx, row, kv_dtype, block_log2);
@@ -180,10 +182,10 @@ class GpuCompareTest : public ::testing::Test {
     const float scale = 1.f / std::sqrt(float(s.head_dim));
     std::vector<float> want(size_t(m * s.n_head * s.head_dim));
     cpu_->attention(q.data(), kv.host(), m, positions.data(), max_context, s.n_head, s.n_head_kv, s.head_dim, scale,
-                    want.data());
+                    want.data(), sinks ? sinks->data() : nullptr, window);
     float* out = poisoned_gpu(int64_t(want.size()));
     gpu_->attention(on_gpu(q), kv.gpu(), m, on_gpu(positions), max_context, s.n_head, s.n_head_kv, s.head_dim,
-                    scale, out);
+                    scale, out, sinks ? on_gpu(*sinks) : nullptr, window);
     expect_close(to_host(out, int64_t(want.size())), want,
                  what + fmt::format(" {} KV block {}", dtype_name(kv_dtype), 1 << block_log2),
                  tolerance);

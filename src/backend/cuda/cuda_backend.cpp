@@ -203,11 +203,12 @@ class CudaBackend final : public Backend {
   }
 
   LinearWeight upload(const LinearWeight& host) override {
-    NIBBLE_CHECK(host.format != WeightFormat::kMxfp4, "{}: MXFP4 weights are not supported by the CUDA backend "
-                 "yet; run with --device cpu", host.name);
     LinearWeight w = host;
     w.storage.clear();
-    if (host.format == WeightFormat::kInt4 && cuda::int4_interleavable(host.k, host.int4.group_size)) {
+    if (host.format == WeightFormat::kMxfp4) {  // the checkpoint's layout is the kernel's
+      w.mxfp4.codes = static_cast<const uint8_t*>(copy(host.mxfp4.codes, size_t(host.n * host.k / 2), w));
+      w.mxfp4.scales = static_cast<const uint8_t*>(copy(host.mxfp4.scales, size_t(host.n * host.k / kMxfp4Block), w));
+    } else if (host.format == WeightFormat::kInt4 && cuda::int4_interleavable(host.k, host.int4.group_size)) {
       const int64_t groups = host.n * host.int4.n_groups;
       cuda::Int4Interleaved il = cuda::interleave_int4(host.int4, host.n, host.k);
       w.int4.layout = Int4Layout::kWarpInterleaved;
@@ -244,6 +245,7 @@ class CudaBackend final : public Backend {
   // fewer per layer. Decode-layout weights only (what the fusion is for).
   std::optional<LinearWeight> concat_rows(const std::vector<const LinearWeight*>& parts) override {
     const LinearWeight& a = *parts[0];
+    if (a.format == WeightFormat::kMxfp4) return std::nullopt;
     const bool int4 = a.format == WeightFormat::kInt4;
     if (int4 ? a.int4.layout != Int4Layout::kWarpInterleaved
              : a.k % (32 * cuda::dense_per_vec(dense_type(a.format))) != 0)
@@ -288,8 +290,6 @@ class CudaBackend final : public Backend {
   }
 
   LinearWeight prepare(const LinearWeight& w) override {
-    NIBBLE_CHECK(w.format != WeightFormat::kMxfp4, "{}: MXFP4 weights are not supported by the CUDA backend "
-                 "yet; run with --device cpu", w.name);
     if (w.format != WeightFormat::kInt4 || w.int4.layout != Int4Layout::kRowMajor ||
         !cuda::int4_interleavable(w.k, w.int4.group_size))
       return w;
@@ -310,7 +310,9 @@ class CudaBackend final : public Backend {
     OpProfiler::Scope scope(profiler_, w.format == WeightFormat::kInt4 ? "linear int4" : w.n > 100000 ? "lm_head" : "linear dense");
     if ((m > cuda::kGemvMaxM || dense_gemm_first(w, m)) && gemm(w, x, m, out)) return;
     if (!gemv_layout(w)) {
-      if (w.format == WeightFormat::kInt4)
+      if (w.format == WeightFormat::kMxfp4)
+        cuda::linear_mxfp4(w.mxfp4.codes, w.mxfp4.scales, w.bias, x, out, m, w.n, w.k);
+      else if (w.format == WeightFormat::kInt4)
         cuda::linear_int4(w.int4.codes, w.int4.scales, w.int4.zeros, w.bias, x, out, m, w.n, w.k,
                           w.int4.group_size, w.int4.n_groups);
       else
@@ -338,18 +340,17 @@ class CudaBackend final : public Backend {
     gemv(w, a, m, x, {nullptr, 0.f, true});
   }
 
-  // gpt-oss's experts (biases, gate/up interleaved, clamped SwiGLU) and biased router are CPU-only so far.
-  static void check_moe_supported(const MoeWeights& w) {
-    const bool plain = w.activation == MoeActivation::kSiluMul && !w.router.bias &&
-                       std::all_of(w.experts.begin(), w.experts.end(), [](const MlpWeights& e) {
-                         return !e.gate_up.n && !e.gate.bias && !e.up.bias && !e.down.bias;
-                       });
-    NIBBLE_CHECK(plain, "moe: experts with biases or gpt-oss's clamped SwiGLU, or a router with a bias, are not "
-                 "supported by the CUDA backend yet; run with --device cpu");
+  // Experts the fused INT4 kernels compute: SiLU·up, gate and up apart, no biases, a router without
+  // a bias. gpt-oss's (biases, gate/up interleaved, clamped SwiGLU, biased router) take the
+  // per-expert path, exact but through the host.
+  static bool plain_moe(const MoeWeights& w) {
+    return w.activation == MoeActivation::kSiluMul && !w.router.bias &&
+           std::all_of(w.experts.begin(), w.experts.end(), [](const MlpWeights& e) {
+             return !e.gate_up.n && !e.gate.bias && !e.up.bias && !e.down.bias;
+           });
   }
 
   void rms_norm_moe_add(const WeightVector& norm, float eps, const MoeWeights& w, int64_t m, float* x) override {
-    check_moe_supported(w);
     if (!moe_decode(w, m)) return Backend::rms_norm_moe_add(norm, eps, w, m, x);
     OpProfiler::Scope scope(profiler_, "norm+moe+add");
     run_moe_decode(w, x, norm.data, eps, m, x, true);
@@ -396,8 +397,6 @@ class CudaBackend final : public Backend {
                  int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out, const float* sinks,
                  int64_t window) override {
     OpProfiler::Scope scope(profiler_, "attention");
-    NIBBLE_CHECK(!sinks && window == 0, "attention: sinks and sliding windows (gpt-oss) are not supported by the "
-                 "CUDA backend yet; run with --device cpu");
     NIBBLE_CHECK(head_dim <= cuda::kAttentionMaxHeadDim, "attention: head_dim {} exceeds {}",
                  head_dim, cuda::kAttentionMaxHeadDim);
     unsigned* counters = attention_counters_.data<unsigned>();
@@ -405,11 +404,12 @@ class CudaBackend final : public Backend {
       // Decode: the context split across blocks (flash-decoding), merged by the last split block.
       Buffer partial(*this, size_t(cuda::attention_partial_floats(m, max_context, n_head, head_dim)) * 4);
       cuda::attention_decode(q, kv, partial.data(), out, counters, m, positions, max_context, n_head, n_head_kv,
-                             head_dim, scale);
-    } else if (m > cuda::kGemvMaxM &&
+                             head_dim, scale, sinks, window);
+    } else if (m > cuda::kGemvMaxM && !sinks && window == 0 &&
                cuda::flash_attention(q, kv, out, m, positions, n_head, n_head_kv, head_dim, scale)) {
       // Prefill on the tensor cores (head_dim 64/128, GQA group <= 8, 16-byte-aligned pointers):
       // each staged K/V tile serves a block's 128 (token, q head) rows. f16 operands, f32 sums.
+      // Not with gpt-oss's sinks or windows yet: those take the decode kernel below.
     } else if (const int64_t chunk = std::min<int64_t>(256, cuda::kAttentionMaxPairs / n_head_kv);
                m > cuda::kGemvMaxM && chunk >= 1 &&
                cuda::attention_decode_supports(chunk, n_head, n_head_kv, head_dim, kv.dtype)) {
@@ -422,10 +422,10 @@ class CudaBackend final : public Backend {
         if (pages.seq_rows) pages.seq_rows += t0;
         cuda::attention_decode(q + t0 * n_head * head_dim, pages, partial.data(), out + t0 * n_head * head_dim, counters,
                                std::min(chunk, m - t0), positions + t0, max_context, n_head, n_head_kv, head_dim,
-                               scale);
+                               scale, sinks, window);
       }
     } else {
-      cuda::attention(q, kv, out, m, positions, n_head, n_head_kv, head_dim, scale);
+      cuda::attention(q, kv, out, m, positions, n_head, n_head_kv, head_dim, scale, sinks, window);
     }
     CUDA_CHECK_LAUNCH("attention");
   }
@@ -448,7 +448,6 @@ class CudaBackend final : public Backend {
 
   void moe(const MoeWeights& w, const float* x, int64_t m, float* out) override {
     OpProfiler::Scope scope(profiler_, "moe");
-    check_moe_supported(w);
     if (moe_decode(w, m)) {
       run_moe_decode(w, x, nullptr, 0.f, m, out, false);
       return;
@@ -457,7 +456,8 @@ class CudaBackend final : public Backend {
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
     linear(w.router, x, m, logits.data());
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
-    if (const ExpertTables* tables = expert_tables(w); tables && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    if (const ExpertTables* tables = plain_moe(w) ? expert_tables(w) : nullptr;
+        tables && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
       // Prefill: the pairs are grouped by expert on the device and run as grouped tensor-core GEMMs;
       // no host round trip, so it can be recorded too.
       const int64_t inter = w.experts[0].gate.n;
@@ -490,7 +490,7 @@ class CudaBackend final : public Backend {
         }
       if (rows.empty()) continue;
       const MlpWeights& ex = w.experts[size_t(e)];
-      const int64_t n = int64_t(rows.size()), inter = ex.gate.n;
+      const int64_t n = int64_t(rows.size()), inter = ex.inter();
       Buffer dev_rows(*this, size_t(n) * 4), dev_w(*this, size_t(n) * 4);
       copy_to_backend(dev_rows.data(), rows.data(), size_t(n) * 4);
       copy_to_backend(dev_w.data(), row_weights.data(), size_t(n) * 4);
@@ -498,9 +498,18 @@ class CudaBackend final : public Backend {
       Buffer result(*this, size_t(n * H) * 4);
       cuda::gather_rows(x, dev_rows.data<int32_t>(), n, H, xs.data());
       CUDA_CHECK_LAUNCH("gather_rows");
-      linear(ex.gate, xs.data(), n, gate.data());
-      linear(ex.up, xs.data(), n, up.data());
-      silu_mul(gate.data(), up.data(), n * inter, gate.data());
+      if (ex.gate_up.n) {  // gpt-oss: one projection, rows gate_j, up_j interleaved
+        Buffer both(*this, size_t(n * 2 * inter) * 4);
+        linear(ex.gate_up, xs.data(), n, both.data());
+        NIBBLE_CHECK(w.activation == MoeActivation::kClampedSwiglu, "moe: interleaved gate/up needs the clamped SwiGLU");
+        cuda::clamped_swiglu_interleaved(both.data(), n, inter, w.swiglu_alpha, w.swiglu_limit, gate.data());
+        CUDA_CHECK_LAUNCH("clamped_swiglu_interleaved");
+      } else {
+        NIBBLE_CHECK(w.activation == MoeActivation::kSiluMul, "moe: the clamped SwiGLU needs interleaved gate/up");
+        linear(ex.gate, xs.data(), n, gate.data());
+        linear(ex.up, xs.data(), n, up.data());
+        silu_mul(gate.data(), up.data(), n * inter, gate.data());
+      }
       linear(ex.down, gate.data(), n, result.data());
       cuda::scatter_add_weighted(result.data(), dev_rows.data<int32_t>(), dev_w.data(), n, H, out);
       CUDA_CHECK_LAUNCH("scatter_add_weighted");
@@ -603,11 +612,13 @@ class CudaBackend final : public Backend {
   // +5.6% at 8, -2% at 2 when tried; every dense weight of the BF16 model through the GEMM from 2
   // rows lost 15-35% (smaller matrices: the GEMM's fixed cost dominates), hence both bounds.
   static bool dense_gemm_first(const LinearWeight& w, int64_t m) {
-    return m >= 4 && w.format != WeightFormat::kInt4 && w.n * w.k >= (int64_t(1) << 27) &&
+    return m >= 4 && w.format != WeightFormat::kInt4 && w.format != WeightFormat::kMxfp4 &&
+           w.n * w.k >= (int64_t(1) << 27) &&
            cuda::gemm_dense_supports(dense_type(w.format), w.k);
   }
 
   static bool gemv_layout(const LinearWeight& w) {
+    if (w.format == WeightFormat::kMxfp4) return false;  // the exact kernel only, so far
     return w.format == WeightFormat::kInt4 ? w.int4.layout == Int4Layout::kWarpInterleaved
                                            : w.k % (32 * cuda::dense_per_vec(dense_type(w.format))) == 0;
   }
@@ -626,7 +637,7 @@ class CudaBackend final : public Backend {
   bool moe_decode(const MoeWeights& w, int64_t m) {
     return m <= cuda::kGemvMaxM && w.top_k <= cuda::kMoeDecodeMaxTopK && w.router.n <= cuda::kMoeMaxExperts &&
            m * w.router.k * 4 <= cuda::kMoeRouterMaxStagedBytes && w.router.format != WeightFormat::kInt4 &&
-           gemv_layout(w.router) && expert_tables(w);
+           gemv_layout(w.router) && plain_moe(w) && expert_tables(w);
   }
   void run_moe_decode(const MoeWeights& w, const float* x, const float* norm, float eps, int64_t m, float* out,
                       bool accumulate) {
@@ -646,7 +657,7 @@ class CudaBackend final : public Backend {
   // Prefill-shaped linears (m > kGemvMaxM) on the tensor cores: interleaved INT4 (f16 activations)
   // and F16/BF16 (near-f32 split activations). False where the weight or x does not qualify.
   bool gemm(const LinearWeight& w, const float* x, int64_t m, float* out) {
-    if (reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
+    if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || w.format == WeightFormat::kMxfp4) return false;
     if (w.format == WeightFormat::kInt4) {
       if (w.int4.layout != Int4Layout::kWarpInterleaved) return false;
       cuda::gemm_int4(int4_device(w), w.bias, x, out, m, w.n, w.k);

@@ -70,13 +70,14 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
 // (attention_decode_tc_kernel: head_dim 64/128, GQA groups up to 16), f32 KV on CUDA cores
 // (attention_decode_kernel: head_dim 64/128, groups up to 8); false (nothing launched) for other
 // shapes. partial: attention_partial_floats(...) floats of scratch; counters: kAttentionMaxPairs
-// device words, 0 between launches.
+// device words, 0 between launches. sinks (per q head, or null) and window (0: none) as
+// Backend::attention takes them, here and in attention().
 constexpr int64_t kAttentionMaxPairs = 4096;
 int64_t attention_partial_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim);
 bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int64_t head_dim, DType kv_dtype);
 bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
                       const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
-                      int64_t head_dim, float scale);
+                      int64_t head_dim, float scale, const float* sinks = nullptr, int64_t window = 0);
 void embed(Dense type, const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out);
 // delta non-null: x += delta first (the fused residual add). dim <= kNormMaxDim.
 constexpr int64_t kNormMaxDim = 8192;
@@ -89,8 +90,14 @@ void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, co
                            int64_t head_dim, const KvPages& kv);
 // Any shape, one warp per (token, q head): the exact fallback.
 void attention(const float* q, const KvPages& kv, float* out, int64_t m, const int32_t* positions, int64_t n_head,
-               int64_t n_head_kv, int64_t head_dim, float scale);
+               int64_t n_head_kv, int64_t head_dim, float scale, const float* sinks = nullptr, int64_t window = 0);
 void silu_mul(const float* gate, const float* up, int64_t count, float* out);
+// gpt-oss's clamped SwiGLU over interleaved gate/up rows [rows, 2·inter] into out [rows, inter].
+void clamped_swiglu_interleaved(const float* gate_up, int64_t rows, int64_t inter, float alpha, float limit,
+                                float* out);
+// MXFP4 weights (codes [n][k/2], E8M0 scales [n][k/32]): the exact warp-per-row kernel.
+void linear_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,
+                  int64_t m, int64_t n, int64_t k);
 void add(const float* x, int64_t count, float* y);
 // Row-wise arg-max (lowest index on ties); scratch: argmax_scratch_bytes(rows) of device memory.
 int64_t argmax_scratch_bytes(int64_t rows);

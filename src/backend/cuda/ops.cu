@@ -346,8 +346,9 @@ static_assert(kernels::kDecodeSplitLong <= decode_tc_split(0), "attention_partia
 
 bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
                       const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
-                      int64_t head_dim, float scale) {
+                      int64_t head_dim, float scale, const float* sinks, int64_t window) {
   if (!attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) return false;
+  const kernels::AttentionMods mods{sinks, window};
   const int64_t group = n_head / n_head_kv;
   if (kv.dtype != DType::F32) {  // f16 or E4M3: the tensor-core kernel
     const int split = decode_tc_split(max_context);
@@ -361,7 +362,7 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
           launch_pdl(kernels::attention_decode_tc_kernel<HD.value, SPLIT.value, WARPS.value, ROWS.value, T>, grid,
                      32 * WARPS.value, q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v), kv.block_table,
                      kv.seq_rows, kv.table_stride, kv.block_size_log2, partial, out, counters, positions, n_head,
-                     n_head_kv, scale_log2, n_splits);
+                     n_head_kv, scale_log2, n_splits, mods);
       });
     };
     auto with_rows = [&](auto HD, auto SPLIT) {
@@ -391,7 +392,7 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
     auto launch = [&](auto SPLIT) {
       launch_pdl(kernels::attention_decode_kernel<G.value, HD.value, SPLIT.value>, grid, kernels::kDecodeThreads, q, k,
                  v, kv.block_table, kv.seq_rows, kv.table_stride, kv.block_size_log2, partial, out, counters, positions, n_head, n_head_kv, scale,
-                 n_splits);
+                 n_splits, mods);
     };
     if (split == kernels::kDecodeSplitLong)
       launch(std::integral_constant<int, kernels::kDecodeSplitLong>{});
@@ -449,19 +450,31 @@ void qk_norm_rope_kv_write(const float* q_in, float* q_out, int64_t q_stride, co
 }
 
 void attention(const float* q, const KvPages& kv, float* out, int64_t m, const int32_t* positions, int64_t n_head,
-               int64_t n_head_kv, int64_t head_dim, float scale) {
+               int64_t n_head_kv, int64_t head_dim, float scale, const float* sinks, int64_t window) {
   static_assert(kAttentionMaxHeadDim == kernels::kAttentionMaxHeadDim);
   constexpr int kWarps = 4;
   kernels::with_kv_element(kv.dtype, [&](auto element) {
     using T = decltype(element);
     kernels::attention_online_warp_kernel<T><<<blocks_for(m * n_head, kWarps), 32 * kWarps>>>(
         q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v), kv.block_table, kv.seq_rows, kv.table_stride, kv.block_size_log2, out, m,
-        positions, n_head, n_head_kv, head_dim, scale);
+        positions, n_head, n_head_kv, head_dim, scale, kernels::AttentionMods{sinks, window});
   });
 }
 
 void silu_mul(const float* gate, const float* up, int64_t count, float* out) {
   kernels::silu_mul_kernel<<<blocks_for(count, 256), 256>>>(gate, up, count, out);
+}
+
+void clamped_swiglu_interleaved(const float* gate_up, int64_t rows, int64_t inter, float alpha, float limit,
+                                float* out) {
+  kernels::clamped_swiglu_interleaved_kernel<<<blocks_for(rows * inter, 256), 256>>>(gate_up, rows, inter, alpha,
+                                                                                       limit, out);
+}
+
+void linear_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,
+                  int64_t m, int64_t n, int64_t k) {
+  kernels::linear_mxfp4_warp_row_kernel<<<blocks_for(n, kLinearWarps), 32 * kLinearWarps>>>(codes, scales, bias, x,
+                                                                                              y, m, n, k);
 }
 
 int64_t argmax_scratch_bytes(int64_t rows) { return rows * kernels::kArgmaxSplits * 8; }
