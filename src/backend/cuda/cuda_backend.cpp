@@ -351,6 +351,13 @@ class CudaBackend final : public Backend {
   }
 
   void rms_norm_moe_add(const WeightVector& norm, float eps, const MoeWeights& w, int64_t m, float* x) override {
+    if (const Mxfp4Tables* tables = m <= cuda::kGemvMaxM ? mxfp4_tables(w) : nullptr) {
+      Buffer normed(*this, size_t(m * w.router.k) * 4);
+      rms_norm(x, norm, m, w.router.k, eps, normed.data());
+      OpProfiler::Scope scope(profiler_, "moe");
+      run_moe_mxfp4(w, *tables, normed.data(), m, x, true);
+      return;
+    }
     if (!moe_decode(w, m)) return Backend::rms_norm_moe_add(norm, eps, w, m, x);
     OpProfiler::Scope scope(profiler_, "norm+moe+add");
     run_moe_decode(w, x, norm.data, eps, m, x, true);
@@ -451,6 +458,12 @@ class CudaBackend final : public Backend {
     if (moe_decode(w, m)) {
       run_moe_decode(w, x, nullptr, 0.f, m, out, false);
       return;
+    }
+    if (m <= cuda::kGemvMaxM) {
+      if (const Mxfp4Tables* tables = mxfp4_tables(w)) {
+        run_moe_mxfp4(w, *tables, x, m, out, false);
+        return;
+      }
     }
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
@@ -675,6 +688,60 @@ class CudaBackend final : public Backend {
             w.int4.n_groups};
   }
 
+  // gpt-oss's MXFP4 experts as device arrays for the decode kernels (kernels/moe_mxfp4.cuh),
+  // built on first use and kept in the weights' backend_state (plain_moe weights keep
+  // ExpertTables there instead). Null when the experts are not all MXFP4 of gpt-oss's layout.
+  struct Mxfp4Tables {
+    bool usable = false;
+    int64_t inter = 0;
+    Buffer gate_up, down;
+  };
+  const Mxfp4Tables* mxfp4_tables(const MoeWeights& w) {
+    if (plain_moe(w) || w.activation != MoeActivation::kClampedSwiglu) return nullptr;
+    if (w.backend_state) {
+      const auto* tables = static_cast<const Mxfp4Tables*>(w.backend_state.get());
+      return tables->usable ? tables : nullptr;
+    }
+    if (capturing_) {  // building them copies from the host: not while recording
+      capture_failed_ = true;
+      return nullptr;
+    }
+    auto tables = std::make_shared<Mxfp4Tables>();
+    w.backend_state = tables;
+    const int64_t H = w.router.k;
+    tables->inter = w.experts.empty() ? 0 : w.experts[0].inter();
+    std::vector<cuda::Mxfp4Device> gate_up, down;
+    for (const MlpWeights& e : w.experts) {
+      if (e.gate_up.format != WeightFormat::kMxfp4 || e.down.format != WeightFormat::kMxfp4 ||
+          e.gate_up.n != 2 * tables->inter || e.gate_up.k != H || e.down.n != H || e.down.k != tables->inter)
+        return nullptr;
+      gate_up.push_back({e.gate_up.mxfp4.codes, e.gate_up.mxfp4.scales, e.gate_up.bias});
+      down.push_back({e.down.mxfp4.codes, e.down.mxfp4.scales, e.down.bias});
+    }
+    if (gate_up.empty() || w.top_k > cuda::kMoeMaxTopK || w.router.n > cuda::kMoeMaxExperts) return nullptr;
+    auto upload_table = [&](const std::vector<cuda::Mxfp4Device>& t, Buffer& dst) {
+      dst = Buffer(*this, t.size() * sizeof(cuda::Mxfp4Device));
+      copy_to_backend(dst.data(), t.data(), t.size() * sizeof(cuda::Mxfp4Device));
+    };
+    upload_table(gate_up, tables->gate_up);
+    upload_table(down, tables->down);
+    tables->usable = true;
+    return tables.get();
+  }
+  // Router (with its bias), softmax top-k on the device, then the two expert launches.
+  void run_moe_mxfp4(const MoeWeights& w, const Mxfp4Tables& tables, const float* x, int64_t m, float* out,
+                     bool accumulate) {
+    const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
+    Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
+    Buffer act(*this, size_t(m * K * tables.inter) * 4);
+    linear(w.router, x, m, logits.data());
+    moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
+    cuda::moe_decode_mxfp4(tables.gate_up.data<cuda::Mxfp4Device>(), tables.down.data<cuda::Mxfp4Device>(),
+                           ids.data<int32_t>(), weights.data(), x, act.data(), out, accumulate, m, K, tables.inter, H,
+                           w.swiglu_alpha, w.swiglu_limit);
+    CUDA_CHECK_LAUNCH("moe_decode_mxfp4");
+  }
+
   // Device arrays of the experts' matrices for the fused decode kernels, built on first use and
   // kept in the weights' backend_state; `usable` is false when the experts are not all
   // interleaved INT4 of one shape.
@@ -684,6 +751,7 @@ class CudaBackend final : public Backend {
     Buffer gate, up, down;
   };
   const ExpertTables* expert_tables(const MoeWeights& w) {
+    if (!plain_moe(w)) return nullptr;  // backend_state may hold Mxfp4Tables
     if (w.backend_state) {
       const auto* tables = static_cast<const ExpertTables*>(w.backend_state.get());
       return tables->usable ? tables : nullptr;

@@ -21,6 +21,12 @@ struct Int4Device {
   int64_t group_shift;   // log2(group size); 30 when one group spans K
   int64_t n_groups;
 };
+// One MXFP4 matrix on the device: codes [n][k/2], E8M0 scales [n][k/32], f32 bias [n] or null.
+struct Mxfp4Device {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  const float* bias;
+};
 constexpr int64_t kGemvMaxM = 8;
 // Elements per 16-byte vector of a dense type: gemv_dense needs k % (32 * this) == 0.
 constexpr int64_t dense_per_vec(Dense t) { return t == Dense::kF32 ? 4 : 8; }
@@ -66,6 +72,13 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
                      int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
                      const float* norm, float eps, void* act, float* out, bool accumulate, int64_t m,
                      int64_t top_k, int64_t inter, int64_t hidden);
+// gpt-oss's MoE for m <= kGemvMaxM tokens with the routing on the device (ids/weights [m, top_k])
+// over MXFP4 experts (device arrays of n_experts Mxfp4Device; gate_up rows interleaved gate_j,
+// up_j, biases, the clamped SwiGLU with alpha and limit): act is scratch of m·top_k·inter floats;
+// out = (accumulate ? out : 0) + Σ weight · expert(x) (kernels/moe_mxfp4.cuh).
+void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, const int32_t* ids, const float* weights,
+                      const float* x, float* act, float* out, bool accumulate, int64_t m, int64_t top_k, int64_t inter,
+                      int64_t hidden, float alpha, float limit);
 // Decode attention in one launch over the paged cache: f16 KV on the tensor cores
 // (attention_decode_tc_kernel: head_dim 64/128, GQA groups up to 16), f32 KV on CUDA cores
 // (attention_decode_kernel: head_dim 64/128, groups up to 8); false (nothing launched) for other

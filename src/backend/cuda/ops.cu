@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "kernels/gemv_mma.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/moe.cuh"
+#include "kernels/moe_mxfp4.cuh"
 #include "kernels/norm.cuh"
 
 namespace nibble::cuda {
@@ -469,6 +471,21 @@ void clamped_swiglu_interleaved(const float* gate_up, int64_t rows, int64_t inte
                                 float* out) {
   kernels::clamped_swiglu_interleaved_kernel<<<blocks_for(rows * inter, 256), 256>>>(gate_up, rows, inter, alpha,
                                                                                        limit, out);
+}
+
+static_assert(sizeof(Mxfp4Device) == sizeof(kernels::Mxfp4Device) &&
+              offsetof(Mxfp4Device, bias) == offsetof(kernels::Mxfp4Device, bias));
+
+void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, const int32_t* ids, const float* weights,
+                      const float* x, float* act, float* out, bool accumulate, int64_t m, int64_t top_k, int64_t inter,
+                      int64_t hidden, float alpha, float limit) {
+  constexpr int kWarps = 8;
+  const auto* gu = reinterpret_cast<const kernels::Mxfp4Device*>(gate_up);
+  const auto* dn = reinterpret_cast<const kernels::Mxfp4Device*>(down);
+  kernels::moe_mxfp4_gate_up_kernel<<<dim3(blocks_for(inter, kWarps), unsigned(m * top_k)), 32 * kWarps>>>(
+      gu, ids, x, act, top_k, inter, hidden, alpha, limit);
+  kernels::moe_mxfp4_down_kernel<<<dim3(blocks_for(hidden, kWarps), unsigned(m)), 32 * kWarps>>>(
+      dn, ids, weights, act, out, top_k, inter, hidden, accumulate);
 }
 
 void linear_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,
