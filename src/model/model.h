@@ -144,6 +144,16 @@ class Model {
   virtual void compute(const Step& step) = 0;
   // Attention of a step's queries q [n_tokens, n_head, hd] into out: one call for one sequence;
   // for a batch one call for the single-token rows and one per prompt chunk.
+  // Scratch of one step's attention blocks (allocated by the first layer, reused by the rest).
+  struct AttentionBuffers {
+    Buffer q, qkv, out;
+  };
+  // The attention block of layer `layer` on the residual stream x [T, hidden] (model/layers.cpp):
+  // x += o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v)) over rms_norm(x) · input_norm,
+  // with q, k and v fused into one projection where the backend did, q/k norms where l has
+  // them, and l's sinks and sliding window. Appends the step's keys and values to its cache.
+  void self_attention(const Step& step, int64_t layer, const LayerWeights& l, const RopeTable& rope, float* x,
+                      AttentionBuffers& buffers) const;
   // sinks and window as Backend::attention takes them.
   void attend(const Step& step, int64_t layer, const float* q, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
               float scale, float* out, const float* sinks = nullptr, int64_t window = 0) const;
@@ -212,6 +222,10 @@ DType parse_kv_cache_dtype(const std::string& name);
 
 // model_types nibble can run, for messages and `nibble info`.
 std::vector<std::string> supported_model_types();
+
+// Bytes one decoded token reads from `w`: every weight it uses (the top-k experts of each MoE
+// layer, one embedding row); Model::weight_bytes_per_token of the architectures.
+int64_t weight_bytes_per_token(const ModelWeights& w);
 
 // inv_freq in host memory (upload it for other backends).
 RopeTable make_rope_table(const ModelConfig& config);

@@ -10,8 +10,6 @@
 // - experts: fused over experts with biases, gate/up rows interleaved, clamped SwiGLU
 //   (up + 1) · g · sigmoid(1.702 g) with g = min(gate, limit), up clamped to ±limit.
 // The checkpoint ships experts in MXFP4 (format/quant/mxfp4.h) and everything else in BF16.
-#include <cmath>
-
 #include "core/status.h"
 #include "model/arch/registry.h"
 
@@ -63,58 +61,21 @@ class GptOss final : public Model {
     rope_ = {backend_.upload(rope.inv_freq), rope.attention_factor};
   }
 
-  int64_t weight_bytes_per_token() const override {
-    int64_t bytes = int64_t(w_.embed.bytes() / size_t(w_.embed.n)) + int64_t(w_.lm_head.bytes());
-    for (const LayerWeights& l : w_.layers) {
-      bytes += int64_t(l.qkv.bytes() + l.q.bytes() + l.k.bytes() + l.v.bytes() + l.o.bytes());
-      int64_t experts = 0;
-      for (const MlpWeights& e : l.moe.experts) experts += int64_t(e.gate_up.bytes() + e.down.bytes());
-      bytes += int64_t(l.moe.router.bytes()) + experts / int64_t(l.moe.experts.size()) * l.moe.top_k;
-    }
-    return bytes;
-  }
+  int64_t weight_bytes_per_token() const override { return nibble::weight_bytes_per_token(w_); }
 
   void compute(const Step& step) override {
     const auto& c = config_;
-    Backend& be = backend_;
-    const int64_t T = step.n_tokens, H = c.hidden_size, hd = c.head_dim;
-    const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;
+    const int64_t T = step.n_tokens, H = c.hidden_size;
     const float eps = float(c.rms_norm_eps);
-    auto floats = [&](int64_t n) { return Buffer(be, size_t(n) * sizeof(float)); };
-    const int64_t nq = nh * hd, nk = nkv * hd;
-    const WeightVector no_norm;
-    Buffer x = floats(T * H), q = floats(T * nq);
-    Buffer qkv = floats(T * (nq + 2 * nk));
-    Buffer attn = floats(T * nq);
-    be.embed(w_.embed, step.ids, T, x.data());
+    Buffer x(backend_, size_t(T * H) * sizeof(float));  // the residual stream
+    AttentionBuffers attention;
+    backend_.embed(w_.embed, step.ids, T, x.data());
     trace("embed", x.data(), T, H);
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const LayerWeights& l = w_.layers[size_t(i)];
-      const std::string name = "layers." + std::to_string(i);
-      if (l.qkv.n) {  // rows [q | k | v] per token
-        be.rms_norm_linear(x.data(), l.input_norm, eps, l.qkv, T, qkv.data());
-        const float* row = qkv.data();
-        be.qk_norm_rope_kv_write(row, q.data(), nq + 2 * nk, row + nq, row + nq + nk, nq + 2 * nk, no_norm, no_norm,
-                                 eps, rope_, step.positions, T, nh, nkv, hd, step.kv_layer(i));
-      } else {
-        Buffer normed = floats(T * H);
-        be.rms_norm(x.data(), l.input_norm, T, H, eps, normed.data());
-        float* k_new = qkv.data() + T * nq;
-        float* v_new = k_new + T * nk;
-        be.linear(l.q, normed.data(), T, q.data());
-        be.linear(l.k, normed.data(), T, k_new);
-        be.linear(l.v, normed.data(), T, v_new);
-        be.qk_norm_rope_kv_write(q.data(), q.data(), nq, k_new, v_new, nk, no_norm, no_norm, eps, rope_,
-                                 step.positions, T, nh, nkv, hd, step.kv_layer(i));
-      }
-      trace(name + ".q", q.data(), T, nq);
-      attend(step, i, q.data(), nh, nkv, hd, 1.f / std::sqrt(float(hd)), attn.data(), l.sinks.data,
-             l.sliding_window);
-      trace(name + ".attn", attn.data(), T, nq);
-      be.linear_add(l.o, attn.data(), T, x.data());
-      trace(name + ".attn_residual", x.data(), T, H);
-      be.rms_norm_moe_add(l.post_attention_norm, eps, l.moe, T, x.data());
-      trace(name + ".out", x.data(), T, H);
+      self_attention(step, i, l, rope_, x.data(), attention);  // no q/k norms: l has none
+      backend_.rms_norm_moe_add(l.post_attention_norm, eps, l.moe, T, x.data());
+      trace("layers." + std::to_string(i) + ".out", x.data(), T, H);
     }
     const int64_t rows = project_logits(step, x.data(), w_.final_norm, eps, w_.lm_head);
     trace("logits", step.logits, rows, c.vocab_size);

@@ -3,8 +3,6 @@
 //   h = x + o_proj(attn(rope(q_norm(q_proj(n1))), rope(k_norm(k_proj(n1))), v_proj(n1)))   n1 = rms(x)
 //   x = h + mlp(rms(h))      mlp = MoE (softmax router, top-k, renormalised) or dense SwiGLU
 // Shapes: [T, H] hidden rows, q [T, n_head, hd], k/v [T, n_head_kv, hd]; hd need not be H/n_head.
-#include <cmath>
-
 #include "core/status.h"
 #include "model/arch/registry.h"
 
@@ -61,60 +59,24 @@ class Qwen3Moe final : public Model {
     rope_ = {backend_.upload(rope.inv_freq), rope.attention_factor};
   }
 
-  int64_t weight_bytes_per_token() const override {
-    int64_t bytes = int64_t(w_.embed.bytes() / size_t(w_.embed.n)) + int64_t(w_.lm_head.bytes());
-    for (const LayerWeights& l : w_.layers) {
-      bytes += int64_t(l.qkv.bytes() + l.q.bytes() + l.k.bytes() + l.v.bytes() + l.o.bytes());
-      if (!l.is_moe) {
-        bytes += int64_t(l.mlp.gate.bytes() + l.mlp.up.bytes() + l.mlp.down.bytes());
-        continue;
-      }
-      int64_t experts = 0;
-      for (const MlpWeights& e : l.moe.experts) experts += int64_t(e.gate.bytes() + e.up.bytes() + e.down.bytes());
-      bytes += int64_t(l.moe.router.bytes()) + experts / int64_t(l.moe.experts.size()) * l.moe.top_k;
-    }
-    return bytes;
-  }
+  int64_t weight_bytes_per_token() const override { return nibble::weight_bytes_per_token(w_); }
 
   void compute(const Step& step) override {
     const auto& c = config_;
     Backend& be = backend_;
-    const int64_t T = step.n_tokens, H = c.hidden_size, hd = c.head_dim;
-    const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;
+    const int64_t T = step.n_tokens, H = c.hidden_size;
     const float eps = float(c.rms_norm_eps);
     auto floats = [&](int64_t n) { return Buffer(be, size_t(n) * sizeof(float)); };
-    const int64_t nq = nh * hd, nk = nkv * hd;
     // x is the residual stream. Norms are fused into the projections that read them and residual
     // adds into the projections that produce them (Backend::rms_norm_linear, linear_add,
     // rms_norm_moe_add), so a decode step has no separate norm or add kernels.
-    Buffer x = floats(T * H), q = floats(T * nq);
-    Buffer qkv = floats(T * (nq + 2 * nk));  // the projections, fused or one after another
-    Buffer attn = floats(T * nh * hd);
+    Buffer x = floats(T * H);
+    AttentionBuffers attention;
     be.embed(w_.embed, step.ids, T, x.data());
     trace("embed", x.data(), T, H);
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const LayerWeights& l = w_.layers[size_t(i)];
-      const std::string name = "layers." + std::to_string(i);
-      if (l.qkv.n) {  // rows [q | k | v] per token
-        be.rms_norm_linear(x.data(), l.input_norm, eps, l.qkv, T, qkv.data());
-        const float* row = qkv.data();
-        be.qk_norm_rope_kv_write(row, q.data(), nq + 2 * nk, row + nq, row + nq + nk, nq + 2 * nk, l.q_norm,
-                                 l.k_norm, eps, rope_, step.positions, T, nh, nkv, hd, step.kv_layer(i));
-      } else {
-        Buffer normed = floats(T * H);
-        be.rms_norm(x.data(), l.input_norm, T, H, eps, normed.data());
-        float* k_new = qkv.data() + T * nq;
-        float* v_new = k_new + T * nk;
-        be.linear(l.q, normed.data(), T, q.data());
-        be.linear(l.k, normed.data(), T, k_new);
-        be.linear(l.v, normed.data(), T, v_new);
-        be.qk_norm_rope_kv_write(q.data(), q.data(), nq, k_new, v_new, nk, l.q_norm, l.k_norm, eps, rope_,
-                                 step.positions, T, nh, nkv, hd, step.kv_layer(i));
-      }
-      trace(name + ".q", q.data(), T, nh * hd);
-      attend(step, i, q.data(), nh, nkv, hd, 1.f / std::sqrt(float(hd)), attn.data());
-      be.linear_add(l.o, attn.data(), T, x.data());
-      trace(name + ".attn_residual", x.data(), T, H);
+      self_attention(step, i, l, rope_, x.data(), attention);
       if (l.is_moe) {
         be.rms_norm_moe_add(l.post_attention_norm, eps, l.moe, T, x.data());
       } else {
@@ -126,7 +88,7 @@ class Qwen3Moe final : public Model {
         be.silu_mul(gate.data(), up.data(), T * inter, gate.data());
         be.linear_add(l.mlp.down, gate.data(), T, x.data());
       }
-      trace(name + ".out", x.data(), T, H);
+      trace("layers." + std::to_string(i) + ".out", x.data(), T, H);
     }
     const int64_t rows = project_logits(step, x.data(), w_.final_norm, eps, w_.lm_head);
     trace("logits", step.logits, rows, c.vocab_size);
