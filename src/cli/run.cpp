@@ -12,6 +12,7 @@
 #include "core/status.h"
 #include "model/model.h"
 #include "runtime/generate.h"
+#include "server/reasoning.h"
 #include "tokenizer/chat_template.h"
 
 namespace nibble::cli {
@@ -69,6 +70,9 @@ void run(const RunOptions& o) {
   GenerationConfig gen = load_generation_config(o.model_dir);
 
   GenerateRequest req;
+  // A harmony model (gpt-oss) answers in channels: its reasoning goes to stderr, the answer (and
+  // any tool call) to stdout, the markers to neither.
+  std::unique_ptr<HarmonyParser> harmony;
   if (!o.chat.empty()) {
     nlohmann::ordered_json kwargs = nlohmann::ordered_json::object();
     if (!o.chat_template_kwargs.empty()) {
@@ -78,7 +82,12 @@ void run(const RunOptions& o) {
     nlohmann::ordered_json messages = nlohmann::ordered_json::array();
     if (!o.system.empty()) messages.push_back({{"role", "system"}, {"content", o.system}});
     messages.push_back({{"role", "user"}, {"content", o.chat}});
-    const ChatTemplate tmpl = ChatTemplate::parse(load_chat_template_source(o.model_dir), o.model_dir + " chat template");
+    const std::string source = load_chat_template_source(o.model_dir);
+    const ChatTemplate tmpl = ChatTemplate::parse(source, o.model_dir + " chat template");
+    if (source.find("<|channel|>") != std::string::npos) {
+      harmony = std::make_unique<HarmonyParser>();
+      req.skip_special_tokens = false;
+    }
     const std::string text = tmpl.render(chat_template_context(o.model_dir, messages, nullptr, true, kwargs));
     req.prompt = tokenizer.encode(text);
   } else {
@@ -95,8 +104,15 @@ void run(const RunOptions& o) {
   s.frequency_penalty = o.frequency_penalty;
   s.seed = o.seed;
 
+  auto show = [](const OutputSplitter::Delta& d) {
+    std::cerr << d.reasoning;
+    std::cout << d.content;
+    for (auto& t : d.tool_calls) std::cout << (t.name.empty() ? "" : "\n[call " + t.name + "] ") << t.arguments;
+  };
   auto on_token = [&](const GeneratedToken& tok, std::string_view text) {
-    if (o.json) {
+    if (harmony && !o.json) {
+      show(harmony->push(text));
+    } else if (o.json) {
       if (tok.id < 0) return;
       nlohmann::json line = {{"id", tok.id}, {"text", std::string(text)}};
       if (o.logprobs >= 0) {
@@ -112,6 +128,7 @@ void run(const RunOptions& o) {
     std::cout.flush();
   };
   GenerateResult r = generate(*model, tokenizer, req, on_token);
+  if (harmony && !o.json) show(harmony->flush());
   if (!o.json) std::cout << '\n';
   const double n_gen = double(r.ids.size());
   fmt::print(stderr, "\nprompt: {} tokens, {:.1f} tok/s | generated: {} tokens, {:.1f} tok/s | "

@@ -157,6 +157,19 @@ TEST_F(CliTest, InfoCountsMxfp4ExpertsAndSlidingLayers) {
   EXPECT_EQ(j["sliding_window"].get<int64_t>(), 5);
 }
 
+// `nibble run --chat` with gpt-oss's harmony template: the prompt renders, generation runs, the
+// output goes through the harmony parser (the tiny model's random text is plain content).
+TEST_F(CliTest, RunChatWithHarmonyTemplate) {
+  const fs::path dir = tmp_ / "gpt-oss";
+  fs::create_directories(dir);
+  for (auto& f : fs::directory_iterator(fixture("tiny-gpt-oss-mxfp4"))) fs::copy_file(f.path(), dir / f.path().filename());
+  fs::copy_file(std::string(NIBBLE_FIXTURES_DIR) + "/chat_templates/gpt-oss.jinja", dir / "chat_template.jinja");
+  Result r = run_nibble("run -m " + dir.string() + " --chat 'What is 2+2?' -n 6 --temperature 0 --max-model-len 512 "
+                        "--chat-template-kwargs '{\"reasoning_effort\": \"high\"}'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("generated: 6 tokens"), std::string::npos) << r.output;
+}
+
 TEST_F(CliTest, QuantizeIsDeterministicAndMatchesCommittedFixture) {
   const std::string out = (tmp_ / "q").string();
   Result r = run_nibble("quantize -m " + fixture("tiny-qwen3-moe") + " -o " + out + " --group-size 32");

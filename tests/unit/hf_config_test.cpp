@@ -13,6 +13,7 @@
 
 #include "core/status.h"
 #include "model/model.h"
+#include "tokenizer/chat_template.h"
 
 namespace nibble {
 namespace {
@@ -323,6 +324,26 @@ TEST(HfConfig, GptOss20bRealConfig) {
   c = parse_model_config(j, kPath);
   EXPECT_EQ(c.layer_window(0), 128);
   EXPECT_EQ(c.layer_window(1), 0);
+}
+
+// configs/ (the real configs `nibble bench --load-format dummy` takes) parse as the models they are.
+TEST(HfConfig, BenchConfigsParse) {
+  const std::string dir = std::string(NIBBLE_FIXTURES_DIR) + "/../../configs/";
+  ModelConfig coder = load_model_config(dir + "Qwen3-Coder-30B-A3B-Instruct");
+  EXPECT_EQ(coder.num_experts, 128);
+  ModelConfig small = load_model_config(dir + "gpt-oss-20b"), large = load_model_config(dir + "gpt-oss-120b");
+  EXPECT_EQ(small.num_hidden_layers, 24);
+  EXPECT_EQ(small.num_experts, 32);
+  EXPECT_EQ(large.num_hidden_layers, 36);
+  EXPECT_EQ(large.num_experts, 128);
+  for (const ModelConfig* c : {&small, &large}) {
+    EXPECT_EQ(c->model_type, "gpt_oss");
+    EXPECT_EQ(c->num_experts_per_tok, 4);
+    EXPECT_EQ(c->moe_intermediate_size, 2880);
+    EXPECT_EQ(c->layer_window(0), 128);
+    EXPECT_EQ(c->layer_window(c->num_hidden_layers - 1), 0);
+  }
+  EXPECT_NO_THROW(load_chat_template_source(dir + "gpt-oss-120b"));
 }
 
 // Parses j and returns the Error message ("" when it parses).
