@@ -192,7 +192,30 @@ ApiRequest parse_chat_request(const json& body, const RequestLimits& limits) {
                                                            i, role));
     json out = m;  // other fields (tool_calls, tool_call_id, name, reasoning_content) go to the template
     out["content"] = message_content(m.contains("content") ? m["content"] : json(nullptr), i);
-    if (out["content"].is_null() && role != "assistant")
+    if (role == "assistant") {
+      // As vLLM: templates expect a tool call's arguments as an object, OpenAI clients send them
+      // as a JSON string.
+      if (out.contains("tool_calls") && out["tool_calls"].is_array()) {
+        for (size_t j = 0; j < out["tool_calls"].size(); ++j) {
+          json& call = out["tool_calls"][j];
+          if (!call.is_object() || !call.contains("function") || !call["function"].is_object()) continue;
+          json& args = call["function"]["arguments"];
+          if (!args.is_string()) continue;
+          json parsed = json::parse(args.get<std::string>(), nullptr, false);
+          if (parsed.is_discarded())
+            bad(fmt::format("messages[{}].tool_calls[{}].function.arguments", i, j),
+                fmt::format("messages[{}].tool_calls[{}].function.arguments is not valid JSON", i, j));
+          args = std::move(parsed);
+        }
+      }
+      // A null content (a turn that only called tools) is no content: gpt-oss's template tests
+      // `"..." in message.content` whenever the key exists, which fails on null in Jinja too.
+      if (out["content"].is_null()) out.erase("content");
+      // The reasoning a client got back as reasoning_content, where gpt-oss's template reads it.
+      if (out.contains("reasoning_content") && out["reasoning_content"].is_string() && !out.contains("thinking"))
+        out["thinking"] = out["reasoning_content"];
+    }
+    if (role != "assistant" && out["content"].is_null())  // (operator[] would put back an erased key)
       bad(fmt::format("messages[{}].content", i), fmt::format("messages[{}] ({}) needs 'content'", i, role));
     r.messages.push_back(std::move(out));
   }

@@ -5,6 +5,10 @@
 #include <gtest/gtest.h>
 
 #include "server/reasoning.h"
+#include "tokenizer/chat_template.h"
+
+#include <fstream>
+#include <sstream>
 
 namespace nibble {
 namespace {
@@ -55,6 +59,32 @@ TEST(OpenAiRequest, ChatFieldsAndDefaults) {
   EXPECT_EQ(r.chat_template_kwargs["enable_thinking"], false);
   EXPECT_EQ(r.tools.size(), 1u);
   EXPECT_FALSE(r.chat_template_kwargs.contains("reasoning_effort"));
+
+  // An assistant turn as OpenAI clients send it back: arguments as a JSON string, reasoning as
+  // reasoning_content. Templates get the arguments as an object and the reasoning as `thinking`
+  // too (gpt-oss's name for it).
+  json turn = json::parse(R"({"messages": [{"role": "user", "content": "Weather?"},
+      {"role": "assistant", "content": null, "reasoning_content": "Need the tool.",
+       "tool_calls": [{"id": "c1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]})");
+  ApiRequest t = parse_chat_request(turn);
+  EXPECT_EQ(t.messages[1]["tool_calls"][0]["function"]["arguments"]["city"], "Oslo");
+  EXPECT_EQ(t.messages[1]["thinking"], "Need the tool.");
+  // Rendered by gpt-oss's own template: the call as harmony writes it, arguments encoded once,
+  // the reasoning before it on the analysis channel.
+  std::ifstream file(std::string(NIBBLE_FIXTURES_DIR) + "/chat_templates/gpt-oss.jinja");
+  std::stringstream source;
+  source << file.rdbuf();
+  const std::string text = ChatTemplate::parse(source.str(), "gpt-oss.jinja")
+                               .render({{"messages", t.messages}, {"add_generation_prompt", true}});
+  EXPECT_NE(text.find("<|start|>assistant<|channel|>analysis<|message|>Need the tool.<|end|>"
+                      "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+                      "{\"city\": \"Oslo\"}<|call|>"),
+            std::string::npos)
+      << text;
+  turn["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{not json";
+  EXPECT_THROW(parse_chat_request(turn), RequestError);
 
   // reasoning_effort goes to the template as a kwarg; an explicit chat_template_kwargs entry wins.
   b["reasoning_effort"] = "high";
