@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <future>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -354,6 +355,70 @@ TEST(ServerPrefixCaching, ASharedPrefixIsNotComputedAgain) {
   EXPECT_EQ(second["choices"][0]["text"], reference["choices"][0]["text"]);
   EXPECT_EQ(third["choices"][0]["text"], reference["choices"][0]["text"]);
   EXPECT_EQ(metric(plain.port, "nibble_prefix_cache_hits_total"), 0);
+}
+
+// gpt-oss served (the tiny MXFP4 fixture with gpt-oss's harmony template): the harmony parser is
+// picked (reasoning_content in the message), reasoning_effort and an OpenAI-style tool-call turn
+// render, a bad effort is a 400, and a prefix-cache hit over sliding-window layers gives what the
+// uncached server gives (the window's keys of the cached prefix are in the cache).
+TEST(ServerGptOss, HarmonyToolTurnsAndPrefixCaching) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("nibble_server_gpt_oss_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  for (auto& f : fs::directory_iterator(std::string(NIBBLE_FIXTURES_DIR) + "/models/tiny-gpt-oss-mxfp4"))
+    fs::copy_file(f.path(), dir / f.path().filename(), fs::copy_options::overwrite_existing);
+  fs::copy_file(std::string(NIBBLE_FIXTURES_DIR) + "/chat_templates/gpt-oss.jinja", dir / "chat_template.jinja",
+                fs::copy_options::overwrite_existing);
+  auto serve = [&](bool caching) {
+    ServeOptions o;
+    o.model_dir = dir.string();
+    o.served_model_name = "gpt-oss";
+    o.port = 0;
+    o.max_model_len = 1024;
+    o.enable_prefix_caching = caching;
+    return std::make_unique<OpenAiServer>(o);
+  };
+  struct Running {
+    std::unique_ptr<OpenAiServer> server;
+    int port;
+    std::thread thread;
+    ~Running() {
+      server->stop();
+      thread.join();
+    }
+  };
+  auto start = [&](bool caching) {
+    auto r = std::make_unique<Running>();
+    r->server = serve(caching);
+    r->port = r->server->bind();
+    r->thread = std::thread([s = r->server.get()] { s->run(); });
+    return r;
+  };
+  auto cached = start(true), plain = start(false);
+  const json turn = json::parse(R"([{"role": "user", "content": "Weather in Oslo?"},
+      {"role": "assistant", "content": null, "reasoning_content": "Use the tool.",
+       "tool_calls": [{"id": "c1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "sunny, 18 C"}])");
+  auto chat = [&](int port, const json& messages) {
+    return post(port, "/v1/chat/completions",
+                {{"messages", messages}, {"max_tokens", 6}, {"temperature", 0}, {"reasoning_effort", "high"}});
+  };
+  Reply first = chat(cached->port, turn);
+  ASSERT_EQ(first.status, 200) << first.body;
+  EXPECT_TRUE(first.j()["choices"][0]["message"].contains("reasoning_content")) << first.body;
+  // The same conversation again hits the prefix cache; the answer is the uncached server's.
+  Reply again = chat(cached->port, turn), reference = chat(plain->port, turn);
+  ASSERT_EQ(again.status, 200) << again.body;
+  EXPECT_GT(again.j()["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>(), 100);
+  EXPECT_EQ(again.j()["choices"][0]["message"], reference.j()["choices"][0]["message"]);
+  Reply bad = post(cached->port, "/v1/chat/completions",
+                   {{"messages", turn}, {"max_tokens", 2}, {"reasoning_effort", "maximal"}});
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_NE(bad.body.find("reasoning_effort"), std::string::npos) << bad.body;
+  cached.reset();
+  plain.reset();
+  fs::remove_all(dir);
 }
 
 // A KV cache too small for everyone at once: sequences are preempted (their blocks freed) and
