@@ -111,14 +111,31 @@ class Model {
                    kv_dtype_, block_size_log2);
   }
   // A pool shared by up to n_rows sequences of up to blocks_per_row blocks each (a server's).
+  // n_sliding_blocks > 0: the sliding-window layers keep their K/V in a pool of their own of that
+  // many blocks (KvPool), which holds only what the windows reach.
   std::unique_ptr<KvPool> make_kv_pool(int64_t n_blocks, int block_size_log2, int64_t n_rows,
-                                       int64_t blocks_per_row) const {
+                                       int64_t blocks_per_row, int64_t n_sliding_blocks = 0) const {
+    std::vector<bool> sliding;
+    for (int64_t i = 0; n_sliding_blocks > 0 && i < config_.num_hidden_layers; ++i)
+      sliding.push_back(config_.layer_window(i) > 0);
     return std::make_unique<KvPool>(backend_, config_.num_hidden_layers, n_blocks, config_.num_key_value_heads,
-                                    config_.head_dim, kv_dtype_, block_size_log2, n_rows, blocks_per_row);
+                                    config_.head_dim, kv_dtype_, block_size_log2, n_rows, blocks_per_row,
+                                    std::move(sliding), n_sliding_blocks);
   }
-  int64_t kv_bytes_per_block(int block_size_log2) const {
-    return KvPool::bytes_per_block(config_.num_hidden_layers, config_.num_key_value_heads, config_.head_dim,
-                                   kv_dtype_, block_size_log2);
+  int64_t n_sliding_layers() const {
+    int64_t n = 0;
+    for (int64_t i = 0; i < config_.num_hidden_layers; ++i) n += config_.layer_window(i) > 0;
+    return n;
+  }
+  // Bytes of one block of every layer, or (sliding_apart) of the layers without a window only;
+  // sliding_kv_bytes_per_block: of the windowed layers.
+  int64_t kv_bytes_per_block(int block_size_log2, bool sliding_apart = false) const {
+    return KvPool::bytes_per_block(config_.num_hidden_layers - (sliding_apart ? n_sliding_layers() : 0),
+                                   config_.num_key_value_heads, config_.head_dim, kv_dtype_, block_size_log2);
+  }
+  int64_t sliding_kv_bytes_per_block(int block_size_log2) const {
+    return KvPool::bytes_per_block(n_sliding_layers(), config_.num_key_value_heads, config_.head_dim, kv_dtype_,
+                                   block_size_log2);
   }
   void set_kv_dtype(DType dtype) {
     NIBBLE_CHECK(kv_dtype_supported(dtype), "KV cache dtype {} is not supported (F16, F32 or F8_E4M3)", dtype_name(dtype));

@@ -110,6 +110,31 @@ void BlockPool::cache_full_block(std::span<const int32_t> blocks, int64_t index,
   cached_.try_emplace(h, b);
 }
 
+int32_t BlockPool::find_cached(uint64_t hash, uint64_t parent, std::span<const int32_t> chunk) const {
+  if (!prefix_caching_ || !hash) return -1;
+  auto it = cached_.find(hash);
+  if (it == cached_.end()) return -1;
+  const int32_t b = it->second;
+  if (parent_hash_[size_t(b)] != parent || !std::equal(chunk.begin(), chunk.end(), tokens_.begin() + b * block_size_))
+    return -1;
+  return b;
+}
+
+int32_t BlockPool::take_cached(uint64_t hash, uint64_t parent, std::span<const int32_t> chunk) {
+  const int32_t b = find_cached(hash, parent, chunk);
+  if (b >= 0 && refs_[size_t(b)]++ == 0) unlink(b);
+  return b;
+}
+
+void BlockPool::cache_block(int32_t b, uint64_t hash, uint64_t parent, std::span<const int32_t> chunk) {
+  if (!prefix_caching_ || hash_[size_t(b)]) return;
+  NIBBLE_ASSERT(refs_[size_t(b)] > 0 && hash != 0 && int64_t(chunk.size()) == block_size_);
+  hash_[size_t(b)] = hash;
+  parent_hash_[size_t(b)] = parent;
+  std::copy(chunk.begin(), chunk.end(), tokens_.begin() + b * block_size_);
+  cached_.try_emplace(hash, b);
+}
+
 void BlockPool::release(std::span<const int32_t> blocks) {
   for (size_t i = blocks.size(); i-- > 0;) {
     const int32_t b = blocks[i];

@@ -39,6 +39,18 @@ class BlockPool {
   // Drops a sequence's references (in reverse, so a sequence's tail is reused before its head).
   void release(std::span<const int32_t> blocks);
 
+  // A second pool that follows this one's chain (the sliding-window layers' blocks, which a
+  // sequence drops as its window moves on) finds and registers its blocks by this pool's hashes:
+  // the registered hash of block b and of its parent (0: not registered)...
+  uint64_t hash_of(int32_t b) const { return hash_[size_t(b)]; }
+  uint64_t parent_hash_of(int32_t b) const { return parent_hash_[size_t(b)]; }
+  // ...the block registered under `hash` with that parent and content, or -1; take_cached also
+  // gives it a reference...
+  int32_t find_cached(uint64_t hash, uint64_t parent, std::span<const int32_t> chunk) const;
+  int32_t take_cached(uint64_t hash, uint64_t parent, std::span<const int32_t> chunk);
+  // ...and registers held block b under them (a block of that hash already registered stays).
+  void cache_block(int32_t b, uint64_t hash, uint64_t parent, std::span<const int32_t> chunk);
+
 
  private:
   uint64_t chain_hash(uint64_t parent, std::span<const int32_t> tokens) const;

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <utility>
 #include <cstdlib>
 
 #include "core/status.h"
@@ -38,7 +39,20 @@ Engine::Engine(Model& model, const Tokenizer& tokenizer, EngineOptions options)
                "--max-model-len {} needs ({} blocks): give the cache more memory (--gpu-memory-utilization or "
                "--kv-cache-memory-bytes) or lower --max-model-len",
                options_.kv_blocks - 1, block, (options_.kv_blocks - 1) * block, options_.max_model_len, per_seq);
-  pool_ = model_.make_kv_pool(options_.kv_blocks, options_.block_size_log2, options_.max_num_seqs, per_seq);
+  if (model_.n_sliding_layers() == 0) options_.sliding_blocks = 0;
+  if (options_.sliding_blocks > 0) {
+    window_ = model_.config().sliding_window;
+    // A step writes up to max_num_batched_tokens positions of sliding blocks before it can drop
+    // any, and each running sequence keeps its window: less than that could deadlock.
+    const int64_t need = (options_.max_num_batched_tokens + block - 1) / block +
+                         options_.max_num_seqs * ((window_ + block - 1) / block + 2);
+    NIBBLE_CHECK(options_.sliding_blocks - 1 >= need, "the sliding-window layers' KV pool holds {} blocks; {} "
+                 "sequences of window {} and steps of {} tokens need {}", options_.sliding_blocks - 1,
+                 options_.max_num_seqs, window_, options_.max_num_batched_tokens, need);
+    sliding_ = std::make_unique<BlockPool>(options_.sliding_blocks, block, options_.prefix_caching);
+  }
+  pool_ = model_.make_kv_pool(options_.kv_blocks, options_.block_size_log2, options_.max_num_seqs, per_seq,
+                              options_.sliding_blocks);
   blocks_ = std::make_unique<BlockPool>(options_.kv_blocks, block, options_.prefix_caching);
   stats_.kv_blocks = blocks_->n_blocks();
   stats_.block_size = block;
@@ -77,6 +91,8 @@ struct Engine::Running {
   std::shared_ptr<EngineJob> job;
   std::unique_ptr<Sequence> seq;
   std::vector<int32_t> blocks;
+  // Its blocks in the sliding-window layers' pool by logical block, 0 where the window has left.
+  std::vector<int32_t> sliding;
   int64_t row = -1;
   int64_t computed = 0;    // positions whose K/V are in the blocks
   int64_t registered = 0;  // full blocks offered to the prefix cache
@@ -96,9 +112,19 @@ void Engine::loop() {
   std::vector<int64_t> free_rows;
   for (int64_t r = options_.max_num_seqs; r-- > 0;) free_rows.push_back(r);
 
+  auto release_sliding = [&](Running& r, size_t end) {  // logical blocks [0, end) of r.sliding
+    std::vector<int32_t> held;
+    for (size_t i = 0; i < end && i < r.sliding.size(); ++i)
+      if (r.sliding[i]) held.push_back(std::exchange(r.sliding[i], 0));
+    if (!held.empty()) sliding_->release(held);
+  };
   auto release = [&](Running& r) {
     blocks_->release(r.blocks);
     r.blocks.clear();
+    if (sliding_) {
+      release_sliding(r, r.sliding.size());
+      r.sliding.clear();
+    }
     r.computed = r.registered = 0;
     if (r.row >= 0) free_rows.push_back(r.row);
     r.row = -1;
@@ -133,7 +159,31 @@ void Engine::loop() {
     const int64_t need = (end + block - 1) / block - int64_t(r.blocks.size());
     if (need > 0 && !blocks_->allocate(need, r.blocks)) return false;
     pool_->set_row(r.row, r.blocks);
+    if (sliding_) {  // every block the step writes, also in the sliding layers' pool
+      const int64_t more = (end + block - 1) / block - int64_t(r.sliding.size());
+      if (more > 0 && !sliding_->allocate(more, r.sliding)) return false;
+      pool_->set_sliding_row(r.row, r.sliding);
+    }
     return true;
+  };
+  // After r's K/V reach r.computed: its full blocks registered for prefix caching (in the sliding
+  // pool under the same chain), and the sliding blocks no later query can see (all positions
+  // before r.computed - window + 1) dropped.
+  auto advance = [&](Running& r) {
+    for (; r.registered + block <= r.computed; r.registered += block) {
+      const int64_t i = r.registered / block;
+      blocks_->cache_full_block(r.blocks, i, r.seq->tokens());
+      if (sliding_ && r.sliding[size_t(i)]) {
+        const int32_t b = r.blocks[size_t(i)];
+        const auto chunk = std::span<const int32_t>(r.seq->tokens()).subspan(size_t(i * block), size_t(block));
+        if (blocks_->hash_of(b)) sliding_->cache_block(r.sliding[size_t(i)], blocks_->hash_of(b),
+                                                       blocks_->parent_hash_of(b), chunk);
+      }
+    }
+    if (sliding_) {
+      release_sliding(r, size_t(std::max<int64_t>(0, (r.computed - window_ + 1) / block)));
+      pool_->set_sliding_row(r.row, r.sliding);
+    }
   };
   auto preempt = [&](std::unique_ptr<Running> victim) {
     release(*victim);
@@ -223,6 +273,32 @@ void Engine::loop() {
       // The prefix cache: whole blocks, leaving at least the last token to compute (its logits).
       const auto& tokens = r->seq->tokens();
       r->blocks = blocks_->take_cached_prefix(tokens, int64_t(tokens.size()) - 1);
+      if (sliding_) {
+        // The hit goes only as far as the sliding layers' pool still holds the window before it:
+        // the longest n whose blocks covering positions n·bs - window + 1 .. n·bs - 1 are cached.
+        auto chunk = [&](size_t i) {
+          return std::span<const int32_t>(tokens).subspan(i * size_t(block), size_t(block));
+        };
+        auto sliding_block = [&](size_t i) {
+          const int32_t b = r->blocks[i];
+          return sliding_->find_cached(blocks_->hash_of(b), blocks_->parent_hash_of(b), chunk(i));
+        };
+        size_t n = r->blocks.size();
+        auto first_needed = [&](size_t n) { return size_t(std::max<int64_t>(0, (int64_t(n) * block - window_ + 1) / block)); };
+        while (n > 0) {
+          bool all = true;
+          for (size_t i = first_needed(n); i < n && all; ++i) all = sliding_block(i) >= 0;
+          if (all) break;
+          --n;
+        }
+        blocks_->release(std::span<const int32_t>(r->blocks).subspan(n));
+        r->blocks.resize(n);
+        r->sliding.assign(n, 0);
+        for (size_t i = first_needed(n); i < n; ++i) {
+          const int32_t b = r->blocks[i];
+          r->sliding[i] = sliding_->take_cached(blocks_->hash_of(b), blocks_->parent_hash_of(b), chunk(i));
+        }
+      }
       r->computed = r->registered = int64_t(r->blocks.size()) * block;
       if (!r->admitted_once) r->seq->result().cached_tokens = r->computed;
       r->row = free_rows.back();
@@ -303,8 +379,7 @@ void Engine::loop() {
       Running& r = *batch[i].r;
       const bool prefill = r.computed < r.seq->n_prompt();
       r.computed += batch[i].n;
-      for (; r.registered + block <= r.computed; r.registered += block)
-        blocks_->cache_full_block(r.blocks, r.registered / block, r.seq->tokens());
+      advance(r);
       (prefill ? r.seq->result().prefill_seconds : r.seq->result().decode_seconds) += seconds;
       if (entries[i].output == Output::kNone) continue;
       std::span<const float> logits;

@@ -71,6 +71,9 @@ struct EngineOptions {
   int64_t max_num_batched_tokens = 2048;  // tokens per engine step (decode tokens + prompt chunks)
   int64_t max_model_len = 4096;           // positions per sequence
   int64_t kv_blocks = 0;                  // blocks in the pool (0: enough for every sequence at max_model_len)
+  // Blocks of the sliding-window layers' own pool (models with such layers; 0: they share the
+  // main pool and keep every position). Sequences hold there only what their windows reach.
+  int64_t sliding_blocks = 0;
   int block_size_log2 = 4;                // 16 positions per block
   bool prefix_caching = true;
 };
@@ -94,6 +97,8 @@ class Engine {
   EngineStats stats_;
   std::unique_ptr<KvPool> pool_;
   std::unique_ptr<BlockPool> blocks_;
+  std::unique_ptr<BlockPool> sliding_;  // the sliding-window layers' blocks, when they have a pool
+  int64_t window_ = 0;                  // their window in positions
   bool stopping_ = false;
   std::thread worker_;
 };

@@ -154,7 +154,15 @@ struct OpenAiServer::Impl {
     NIBBLE_CHECK(o.gpu_memory_utilization > 0 && o.gpu_memory_utilization <= 1,
                  "--gpu-memory-utilization {}: must be in (0, 1]", o.gpu_memory_utilization);
     NIBBLE_CHECK(o.kv_cache_memory_bytes >= 0, "--kv-cache-memory-bytes must not be negative");
-    const int64_t per_block = model->kv_bytes_per_block(e.block_size_log2);
+    // Sliding-window layers (gpt-oss) get a pool of their own sized for what the windows reach:
+    // a step's blocks, each sequence's window and as much again for cached prefixes' windows.
+    const bool sliding = model->n_sliding_layers() > 0;
+    const int64_t window_blocks = (model->config().sliding_window + o.block_size - 1) / o.block_size;
+    if (sliding)
+      e.sliding_blocks = 1 + 2 * ((o.max_num_batched_tokens + o.block_size - 1) / o.block_size +
+                                  o.max_num_seqs * (window_blocks + 2));
+    const int64_t sliding_bytes = e.sliding_blocks * model->sliding_kv_bytes_per_block(e.block_size_log2);
+    const int64_t per_block = model->kv_bytes_per_block(e.block_size_log2, sliding);
     const int64_t per_seq = (max_model_len + o.block_size - 1) / o.block_size;
     int64_t bytes = o.kv_cache_memory_bytes;
     size_t free_bytes = 0, total_bytes = 0;
@@ -176,10 +184,16 @@ struct OpenAiServer::Impl {
       bytes = int64_t(4) << 30;
       how = "the CPU default of 4 GiB";
     }
-    e.kv_blocks = std::min(bytes / per_block, 4 * per_seq * o.max_num_seqs + 1);
+    NIBBLE_CHECK(bytes > sliding_bytes, "the KV cache's {:.2f} GiB ({}) do not cover the sliding-window layers' "
+                 "{:.2f} GiB", double(bytes) / (1 << 30), how, double(sliding_bytes) / (1 << 30));
+    e.kv_blocks = std::min((bytes - sliding_bytes) / per_block, 4 * per_seq * o.max_num_seqs + 1);
     fmt::print(stderr, "nibble serve: KV cache of {} blocks of {} positions ({} tokens, {:.2f} GiB; {})\n",
                e.kv_blocks - 1, o.block_size, (e.kv_blocks - 1) * o.block_size,
                double(e.kv_blocks * per_block) / (1 << 30), how);
+    if (sliding)
+      fmt::print(stderr, "nibble serve: its {} sliding-window layers (window {}) in a pool of their own: {} blocks, "
+                 "{:.2f} GiB\n", model->n_sliding_layers(), model->config().sliding_window, e.sliding_blocks - 1,
+                 double(sliding_bytes) / (1 << 30));
     return e;
   }
 
