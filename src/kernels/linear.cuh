@@ -1,7 +1,7 @@
 // y[m, n] = x[m, k] · W[n, k]ᵀ (+ b) for f32 activations and W in f32, f16, bf16, nibble's
 // row-major INT4 (codes [n][k/2], two per byte, low nibble first; f32 scales and u8 zeros
-// [n][n_groups]) or MXFP4 (E2M1 codes [n][k/2] the same way, E8M0 scales [n][k/32]). One warp per output row: lanes stride along K so each weight row is read once,
-// coalesced, and reused for every activation row (up to kMaxRows per pass). This is the simple,
+// [n][n_groups]) or MXFP4 (E2M1 codes [n][k/2] the same way, E8M0 scales [n][k/32]). One warp
+// per output row: lanes stride along K so each weight row is read once, coalesced, and reused for every activation row (up to kMaxRows per pass). This is the simple,
 // exact first version the tuned kernels are measured against; it does not use tensor cores.
 #pragma once
 

@@ -77,7 +77,8 @@ WeightVector host_vector(std::vector<float> values);
 
 struct MlpWeights {
   MlpWeights() = default;
-  MlpWeights(LinearWeight g, LinearWeight u, LinearWeight d) : gate(std::move(g)), up(std::move(u)), down(std::move(d)) {}
+  MlpWeights(LinearWeight g, LinearWeight u, LinearWeight d)
+      : gate(std::move(g)), up(std::move(u)), down(std::move(d)) {}
   LinearWeight gate, up, down;
   // gpt-oss keeps gate and up as one matrix [2·inter, hidden] whose rows alternate gate_0, up_0,
   // gate_1, up_1, …; when set, gate and up are empty.

@@ -284,7 +284,9 @@ void Engine::loop() {
           return sliding_->find_cached(blocks_->hash_of(b), blocks_->parent_hash_of(b), chunk(i));
         };
         size_t n = r->blocks.size();
-        auto first_needed = [&](size_t n) { return size_t(std::max<int64_t>(0, (int64_t(n) * block - window_ + 1) / block)); };
+        auto first_needed = [&](size_t n) {
+          return size_t(std::max<int64_t>(0, (int64_t(n) * block - window_ + 1) / block));
+        };
         while (n > 0) {
           bool all = true;
           for (size_t i = first_needed(n); i < n && all; ++i) all = sliding_block(i) >= 0;

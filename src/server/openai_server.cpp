@@ -556,8 +556,10 @@ struct OpenAiServer::Impl {
           add_tool_calls(c, d);
           for (auto& t : d.tool_calls) {
             if (!t.name.empty())  // the call opens: its id, type and name, then argument deltas
-              tool_deltas.push_back({{"index", t.index}, {"id", c.tool_calls[size_t(t.index)]["id"]},
-                                     {"type", "function"}, {"function", {{"name", t.name}, {"arguments", t.arguments}}}});
+              tool_deltas.push_back({{"index", t.index},
+                                     {"id", c.tool_calls[size_t(t.index)]["id"]},
+                                     {"type", "function"},
+                                     {"function", {{"name", t.name}, {"arguments", t.arguments}}}});
             else
               tool_deltas.push_back({{"index", t.index}, {"function", {{"arguments", t.arguments}}}});
           }

@@ -86,7 +86,8 @@ TEST_P(GptOssTest, CachePathsMatchOneFullPass) {
   EXPECT_LE(test::normalized_error(got.data(), want.data() + 11 * vocab, size_t(vocab)), tolerance_) << "prompt";
   for (int64_t p = 12; p < n; ++p) {
     model_->forward(all.subspan(size_t(p), 1), p, kv, false, got);
-    ASSERT_LE(test::normalized_error(got.data(), want.data() + p * vocab, size_t(vocab)), tolerance_) << "position " << p;
+    ASSERT_LE(test::normalized_error(got.data(), want.data() + p * vocab, size_t(vocab)), tolerance_)
+        << "position " << p;
   }
 
   // Chunks of 9: every chunk's queries see keys of the previous chunk inside their window.

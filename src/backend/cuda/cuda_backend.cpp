@@ -514,7 +514,8 @@ class CudaBackend final : public Backend {
       if (ex.gate_up.n) {  // gpt-oss: one projection, rows gate_j, up_j interleaved
         Buffer both(*this, size_t(n * 2 * inter) * 4);
         linear(ex.gate_up, xs.data(), n, both.data());
-        NIBBLE_CHECK(w.activation == MoeActivation::kClampedSwiglu, "moe: interleaved gate/up needs the clamped SwiGLU");
+        NIBBLE_CHECK(w.activation == MoeActivation::kClampedSwiglu,
+                     "moe: interleaved gate/up needs the clamped SwiGLU");
         cuda::clamped_swiglu_interleaved(both.data(), n, inter, w.swiglu_alpha, w.swiglu_limit, gate.data());
         CUDA_CHECK_LAUNCH("clamped_swiglu_interleaved");
       } else {

@@ -22,7 +22,9 @@ class GptOss final : public Model {
     const auto& c = config_;
     const int64_t hd = c.head_dim, H = c.hidden_size, nh = c.num_attention_heads, nkv = c.num_key_value_heads;
     NIBBLE_CHECK(c.num_experts > 0, "{}: gpt_oss needs num_local_experts > 0", c.path);
-    auto linear = [&](const std::string& name, int64_t n, int64_t k, bool bias) { return src.linear(name, n, k, bias); };
+    auto linear = [&](const std::string& name, int64_t n, int64_t k, bool bias) {
+      return src.linear(name, n, k, bias);
+    };
     w_.embed = linear("model.embed_tokens", c.vocab_size, H, false);
     NIBBLE_CHECK(w_.embed.format != WeightFormat::kInt4 && w_.embed.format != WeightFormat::kMxfp4,
                  "{}: quantized embeddings are not supported", c.path);
