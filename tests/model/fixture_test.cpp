@@ -109,7 +109,7 @@ TEST_P(FixtureTest, GreedyMatchesTransformers) {
 INSTANTIATE_TEST_SUITE_P(Models, FixtureTest,
                          ::testing::Combine(::testing::Values("tiny-qwen3-moe", "tiny-qwen3",
                                                               "tiny-qwen3-moe-int4-g32",
-                                                              "tiny-qwen3-int4-g64-asym"),
+                                                              "tiny-qwen3-int4-g64-asym", "tiny-gpt-oss-mxfp4"),
                                             ::testing::Values("cpu", "cuda")),
                          [](const auto& info) {
                            std::string s = std::get<0>(info.param) + "_" + std::get<1>(info.param);
