@@ -21,16 +21,19 @@ const std::string kDir = std::string(NIBBLE_FIXTURES_DIR) + "/models/tiny-gpt-os
 std::vector<std::vector<int32_t>> run_all(Model& model, const Tokenizer& tok, EngineOptions o,
                                           const std::vector<std::vector<int32_t>>& prompts, EngineStats* stats,
                                           bool waves = false) {
+  auto request = [&](const std::vector<int32_t>& p) {
+    GenerateRequest r;
+    r.prompt = p;
+    r.max_new_tokens = 40;
+    r.max_context = o.max_model_len;
+    r.sampling.temperature = 0;
+    return r;
+  };
   if (waves) {
     Engine engine(model, tok, o);
     std::vector<std::vector<int32_t>> out;
     for (const auto& p : prompts) {
-      GenerateRequest r;
-      r.prompt = p;
-      r.max_new_tokens = 40;
-      r.max_context = o.max_model_len;
-      r.sampling.temperature = 0;
-      auto job = engine.submit(r);
+      auto job = engine.submit(request(p));
       while (auto e = job->next(std::chrono::milliseconds(60000))) {
         if (e->kind == EngineEvent::kToken) continue;
         EXPECT_EQ(e->kind, EngineEvent::kDone) << e->text;
@@ -43,14 +46,7 @@ std::vector<std::vector<int32_t>> run_all(Model& model, const Tokenizer& tok, En
   }
   Engine engine(model, tok, o);
   std::vector<std::shared_ptr<EngineJob>> jobs;
-  for (const auto& p : prompts) {
-    GenerateRequest r;
-    r.prompt = p;
-    r.max_new_tokens = 40;
-    r.max_context = o.max_model_len;
-    r.sampling.temperature = 0;
-    jobs.push_back(engine.submit(r));
-  }
+  for (const auto& p : prompts) jobs.push_back(engine.submit(request(p)));
   std::vector<std::vector<int32_t>> out;
   for (auto& job : jobs) {
     while (true) {
