@@ -126,9 +126,10 @@ void info(const InfoOptions& o) {
              human_bytes(double(kv_elems_per_token * 2)), human_bytes(double(kv_elems_per_token)),
              human_bytes(double(kv_elems_per_token * 4)));
   if (sliding_layers > 0)
-    fmt::print("sliding window: {} of {} layers attend to the last {} positions; nibble serve keeps only those "
-               "in a pool of their own, so a long context costs {} per token in f16 (the other layers)\n",
-               sliding_layers, c.num_hidden_layers, c.sliding_window,
+    fmt::print("sliding window: {} of {} layers attend to the last {} positions and keep only those (nibble serve: "
+               "a pool of their own; run/bench: a ring of the window + {} positions), so a long context costs {} "
+               "per token in f16 (the other layers)\n",
+               sliding_layers, c.num_hidden_layers, c.sliding_window, KvCache::kDefaultRingChunk,
                human_bytes(double(kv_elems_per_token * 2 * (c.num_hidden_layers - sliding_layers) /
                                   c.num_hidden_layers)));
 }

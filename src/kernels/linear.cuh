@@ -90,33 +90,4 @@ __global__ void linear_int4_warp_row_kernel(const uint8_t* __restrict__ codes,
   }
 }
 
-// MXFP4 (format/quant/mxfp4.h): lane i takes bytes i, i + 32, … of the row; each byte's two
-// weights share the block scale of byte / 16.
-__global__ void linear_mxfp4_warp_row_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
-                                             const float* __restrict__ bias, const float* __restrict__ x,
-                                             float* __restrict__ y, int64_t m, int64_t n, int64_t k) {
-  const float kE2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= n) return;
-  const int64_t row_bytes = k / 2;
-  const float b = bias ? bias[row] : 0.f;
-  for (int64_t m0 = 0; m0 < m; m0 += kLinearMaxRows) {
-    float acc[kLinearMaxRows] = {};
-    for (int64_t byte = lane; byte < row_bytes; byte += 32) {
-      const uint8_t packed = codes[row * row_bytes + byte];
-      const float scale = ldexpf(1.f, int(scales[row * (k / 32) + byte / 16]) - 127);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int64_t i = 2 * byte + half;
-        const float wv = kE2m1[(packed >> (4 * half)) & 0xF] * scale;
-#pragma unroll
-        for (int r = 0; r < kLinearMaxRows; ++r)
-          if (m0 + r < m) acc[r] += wv * x[(m0 + r) * k + i];
-      }
-    }
-    store_warp_rows(acc, m0, m, row, n, b, y);
-  }
-}
-
 }  // namespace nibble::kernels

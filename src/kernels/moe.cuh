@@ -219,7 +219,7 @@ __global__ void moe_router_kernel(const void* __restrict__ w, const float* __res
   __syncthreads();
   if (rw.valid) {
     float acc[M];
-    rw.dot<M>(xs, m, hidden, acc);
+    rw.template dot<M>(xs, m, hidden, acc);
 #pragma unroll
     for (int mi = 0; mi < M; ++mi)
       if (lane == 0 && mi < m) logits[mi * n_experts + row] = acc[mi];
@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(32 * kRouterClusterWarps) moe_router_cluster_k
   __shared__ float s_all[M][kRouterClusterExperts];   // block 0: every row
   if (rw.valid) {
     float acc[M];
-    rw.dot<M>(xs, m, hidden, acc);
+    rw.template dot<M>(xs, m, hidden, acc);
 #pragma unroll
     for (int mi = 0; mi < M; ++mi)
       if (lane == 0 && mi < m) s_logits[mi][warp] = acc[mi];

@@ -1,96 +1,133 @@
 // gpt-oss's MoE block for decode (a few tokens) with MXFP4 experts and the routing on the device,
 // so a decode step needs no host round trip and is recorded as a graph. Two launches after the
-// router and route kernels:
-//   moe_mxfp4_gate_up_kernel: per (token, slot) the chosen expert's gate/up rows 2j and 2j + 1
-//     (interleaved, gpt-oss's layout) with their biases, then the clamped SwiGLU, into act[slot][j];
-//   moe_mxfp4_down_kernel: per (token, row) Σ over the token's slots of weight · (down row · act +
-//     bias), added to the output or written over it.
-// One warp per output row on the CUDA cores in f32: the exact first version, to be measured
-// against (the weights are read once per slot, which is all a decode step needs).
-//
-// MXFP4 rows (format/quant/mxfp4.h): lane i takes the 16-byte chunks i, i + 32, …: a chunk is one
-// block of 32 weights with one scale. An E2M1 code becomes f16 bits by placing its 3 magnitude bits
-// at f16 bits 11..9 and its sign at 15: exponent field 0..3 and the top mantissa bit give exactly
-// value · 2^-14 (normal and subnormal alike), so the block's sum is scaled by 2^(scale - 127 + 14).
+// router GEMV and the route kernel, both on the tensor cores (kernels/gemv_mxfp4.cuh):
+//   moe_mxfp4_gate_up_kernel: per (token, slot) a 16-row tile of the chosen expert's gate_up rows
+//     (interleaved: row 2j is gate j, 2j + 1 up j) with their biases, then the clamped SwiGLU, into
+//     act[slot] as f16 in the staged order of the down projection's input;
+//   moe_mxfp4_down_kernel: per (token, 16-row tile) Σ over the token's slots of weight · (down rows
+//     · act + bias), added to the output or written over it.
 #pragma once
 
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
-#include "kernels/linear.cuh"
+#include "kernels/gemv_mxfp4.cuh"
 
 namespace nibble::kernels {
 
-// One expert's matrix in device memory: codes [n][k/2], scales [n][k/32], bias [n] (or null).
+// One expert's matrix in device memory, decode layout; bias [n] (or null).
 struct Mxfp4Device {
   const uint8_t* codes;
   const uint8_t* scales;
   const float* bias;
 };
 
-__device__ __forceinline__ float e2m1_scaled(uint32_t nibble) {  // value · 2^-14
-  return __half2float(__ushort_as_half(uint16_t(((nibble & 8u) << 12) | ((nibble & 7u) << 9))));
+// Shared memory of the gate/up kernel: the staged row, then a copy of the expert table.
+__host__ __device__ constexpr int64_t moe_mxfp4_table_offset(int64_t hidden) {
+  return (mxfp4_x_bytes(1, hidden) + 15) / 16 * 16;
+}
+__host__ __device__ constexpr int64_t moe_mxfp4_gate_up_smem(int64_t hidden, int64_t n_experts) {
+  return moe_mxfp4_table_offset(hidden) + n_experts * int64_t(sizeof(Mxfp4Device));
 }
 
-// This lane's part of row `row` · x (k inputs); the caller sums the warp.
-__device__ __forceinline__ float mxfp4_row_dot_lane(const Mxfp4Device& w, int64_t row, const float* __restrict__ x,
-                                                    int64_t k, int lane) {
-  const uint4* codes = reinterpret_cast<const uint4*>(w.codes + row * (k / 2));
-  const uint8_t* scales = w.scales + row * (k / 32);
-  float acc = 0.f;
-  for (int64_t c = lane; c < k / 32; c += 32) {
-    const uint4 q = codes[c];
-    const float4* xs = reinterpret_cast<const float4*>(x + 32 * c);
-    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-    float block = 0.f;
+// grid (2·inter / (16 · NTB), m · top_k): NTB 16-row tiles a block, KS warps along K on each. Each
+// block stages its token's row, so more tiles a block stage it fewer times (KS 2, NTB 4 for
+// gpt-oss: the row is 1/8 of the weight bytes a block reads). x (the normed input) was written
+// before the router, two launches back, so it is staged before the PDL wait, as is the expert
+// table; after the wait only the expert id stands between the block and its first weight load.
+template <int KS, int NTB>
+__global__ void __launch_bounds__(32 * KS * NTB) moe_mxfp4_gate_up_kernel(
+    const Mxfp4Device* __restrict__ gate_up, int64_t n_experts, const int32_t* __restrict__ ids,
+    const float* __restrict__ x, __half* __restrict__ act, int64_t top_k, int64_t inter, int64_t hidden, float alpha,
+    float limit) {
+  static_assert(sizeof(Mxfp4Device) % 8 == 0);
+  constexpr int kWords = int(sizeof(Mxfp4Device) / 8);
+  NIBBLE_TIMELINE_BLOCK(kMoeGateUp);
+  __half* xs = reinterpret_cast<__half*>(dynamic_smem());
+  auto* table = reinterpret_cast<Mxfp4Device*>(dynamic_smem() + moe_mxfp4_table_offset(hidden));
+  for (int64_t i = threadIdx.x; i < n_experts * kWords; i += blockDim.x)
+    reinterpret_cast<uint64_t*>(table)[i] = __ldg(reinterpret_cast<const uint64_t*>(gate_up) + i);
+  const int warp = threadIdx.x / 32, nt = warp / KS, kw = warp % KS, lane = threadIdx.x % 32, g = lane / 4,
+            t = lane % 4;
+  const int64_t slot = blockIdx.y, tile0 = (int64_t(blockIdx.x) * NTB + nt) * 16;
+  XRows<1, false> xr{x + (slot / top_k) * hidden, hidden, 1, nullptr, {}};
+  mxfp4_stage_x(xr, hidden, xs);
+  NIBBLE_TIMELINE_MARK();
+  pdl_enter();  // the experts come from the route kernel, the previous one
+  NIBBLE_TIMELINE_WAITED();
+  const int32_t e = ids[slot];
+  __syncthreads();  // the table and the staged row
+  const Mxfp4Device d = table[e];
+  const Mxfp4Weight w{d.codes, d.scales};
+  Mxfp4Tile tile;
+  tile.start(w, tile0, 2 * inter, hidden, kw, KS);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  tile.finish(w, mxfp4_x_units(xs, hidden, 1), acc);
+  __shared__ float partial[NTB][KS][16];
+  if (t == 0) partial[nt][kw][g] = acc[0], partial[nt][kw][g + 8] = acc[2];  // column 0: the token
+  __syncthreads();
+  const int tn = threadIdx.x / 8, jj = threadIdx.x % 8;  // 8 (gate, up) pairs a tile
+  const int64_t j = (int64_t(blockIdx.x) * NTB + tn) * 8 + jj;
+  if (tn < NTB && j < inter) {
+    float gate = 0.f, up = 0.f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // word i: bytes 4i .. 4i + 3 = weights 8i .. 8i + 7
-      const float4 a = xs[2 * i], b = xs[2 * i + 1];
-      const uint32_t v = words[i];
-      block += e2m1_scaled(v) * a.x + e2m1_scaled(v >> 4) * a.y + e2m1_scaled(v >> 8) * a.z +
-               e2m1_scaled(v >> 12) * a.w + e2m1_scaled(v >> 16) * b.x + e2m1_scaled(v >> 20) * b.y +
-               e2m1_scaled(v >> 24) * b.z + e2m1_scaled(v >> 28) * b.w;
+    for (int i = 0; i < KS; ++i) gate += partial[tn][i][2 * jj], up += partial[tn][i][2 * jj + 1];
+    if (d.bias) gate += d.bias[2 * j], up += d.bias[2 * j + 1];
+    const float gc = fminf(gate, limit), uc = fminf(fmaxf(up, -limit), limit);
+    act[slot * inter + mxfp4_x_half(j)] = __float2half_rn((uc + 1.f) * gc / (1.f + expf(-alpha * gc)));
+  }
+}
+
+// grid (hidden / 16, m), kMoeMxfp4DownWarps warps: warp w takes slot w / ks, groups w % ks,
+// w % ks + ks, … (ks = warps / top_k: 4 for gpt-oss, a batch of groups per warp covers the row).
+// The routing was written two launches back, so the experts' first weights load before the PDL
+// wait, as does the residual it adds to.
+constexpr int kMoeMxfp4DownWarps = 16;
+
+__global__ void __launch_bounds__(32 * kMoeMxfp4DownWarps) moe_mxfp4_down_kernel(
+    const Mxfp4Device* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
+    const __half* __restrict__ act, float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden,
+    bool accumulate) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int ks = kMoeMxfp4DownWarps / int(top_k), s = warp / ks, kw = warp % ks;
+  const int64_t tok = blockIdx.y, tile0 = int64_t(blockIdx.x) * 16;
+  NIBBLE_TIMELINE_BLOCK(kMoeDown);
+  Mxfp4Tile tile;
+  Mxfp4Device d{};
+  if (s < top_k) {
+    d = down[ids[tok * top_k + s]];
+    tile.start(Mxfp4Weight{d.codes, d.scales}, tile0, hidden, inter, kw, ks);
+  }
+  const bool mine = threadIdx.x < 16 && tile0 + threadIdx.x < hidden;
+  const float prev = accumulate && mine ? out[tok * hidden + tile0 + threadIdx.x] : 0.f;
+  pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
+  // The slots' activation rows are already f16 in staged order: 16-byte copies.
+  __half* xs = reinterpret_cast<__half*>(dynamic_smem());
+  const int units = int(inter / 8);
+  for (int idx = threadIdx.x; idx < int(top_k) * units; idx += blockDim.x) {
+    const int s2 = idx / units, u = idx % units;
+    reinterpret_cast<uint4*>(xs + s2 * mxfp4_x_stride(inter))[u] =
+        reinterpret_cast<const uint4*>(act + (tok * top_k + s2) * inter)[u];
+  }
+  __syncthreads();
+  NIBBLE_TIMELINE_MARK();
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  if (s < top_k) tile.finish(Mxfp4Weight{d.codes, d.scales}, mxfp4_x_units(xs + s * mxfp4_x_stride(inter), inter, 1), acc);
+  __shared__ float partial[kMoeMxfp4DownWarps][16];
+  if (t == 0) partial[warp][g] = acc[0], partial[warp][g + 8] = acc[2];
+  __syncthreads();
+  if (mine) {
+    float total = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) {
+      const Mxfp4Device dj = down[ids[tok * top_k + j]];
+      float y = dj.bias ? dj.bias[tile0 + threadIdx.x] : 0.f;
+      for (int i = 0; i < ks; ++i) y += partial[j * ks + i][threadIdx.x];
+      total += weights[tok * top_k + j] * y;
     }
-    acc += ldexpf(block, int(scales[c]) - 127 + 14);
+    out[tok * hidden + tile0 + threadIdx.x] = prev + total;
   }
-  return acc;
-}
-
-// grid (ceil(inter / warps), m · top_k), `warps` warps a block.
-__global__ void moe_mxfp4_gate_up_kernel(const Mxfp4Device* __restrict__ gate_up, const int32_t* __restrict__ ids,
-                                         const float* __restrict__ x, float* __restrict__ act, int64_t top_k,
-                                         int64_t inter, int64_t hidden, float alpha, float limit) {
-  const int64_t j = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32, slot = blockIdx.y;
-  const int lane = threadIdx.x % 32;
-  if (j >= inter) return;
-  const Mxfp4Device w = gate_up[ids[slot]];
-  const float* xt = x + (slot / top_k) * hidden;
-  float gate = warp_sum(mxfp4_row_dot_lane(w, 2 * j, xt, hidden, lane));
-  float up = warp_sum(mxfp4_row_dot_lane(w, 2 * j + 1, xt, hidden, lane));
-  if (lane != 0) return;
-  if (w.bias) gate += w.bias[2 * j], up += w.bias[2 * j + 1];
-  const float g = fminf(gate, limit), u = fminf(fmaxf(up, -limit), limit);
-  act[slot * inter + j] = (u + 1.f) * g / (1.f + expf(-alpha * g));
-}
-
-// grid (ceil(hidden / warps), m), `warps` warps a block. out[t] = (accumulate ? out[t] : 0) + Σ.
-__global__ void moe_mxfp4_down_kernel(const Mxfp4Device* __restrict__ down, const int32_t* __restrict__ ids,
-                                      const float* __restrict__ weights, const float* __restrict__ act,
-                                      float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden,
-                                      bool accumulate) {
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32, t = blockIdx.y;
-  const int lane = threadIdx.x % 32;
-  if (row >= hidden) return;
-  float total = 0.f;
-  for (int64_t k = 0; k < top_k; ++k) {
-    const int64_t slot = t * top_k + k;
-    const Mxfp4Device w = down[ids[slot]];
-    float y = warp_sum(mxfp4_row_dot_lane(w, row, act + slot * inter, inter, lane));
-    if (w.bias) y += w.bias[row];
-    total += weights[slot] * y;
-  }
-  if (lane == 0) out[t * hidden + row] = (accumulate ? out[t * hidden + row] : 0.f) + total;
 }
 
 }  // namespace nibble::kernels

@@ -154,7 +154,7 @@ std::vector<MlpWeights> WeightLoader::gpt_oss_experts(const std::string& prefix,
       w.n = n;
       w.k = k;
       w.format = WeightFormat::kMxfp4;
-      w.mxfp4 = {blocks.data + e * n * k / 2, scales.data + e * n * k / kMxfp4Block};
+      w.mxfp4 = {blocks.data + e * n * k / 2, scales.data + e * n * k / kMxfp4Block, Mxfp4Layout::kRowMajor};
       return w;
     };
     for (int64_t e = 0; e < E; ++e) {

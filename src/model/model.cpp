@@ -74,6 +74,21 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
                "context of {} tokens", pos0 + T, kv.max_tokens());
   for (int32_t id : tokens)
     NIBBLE_CHECK(id >= 0 && id < vocab, "token id {} is outside the vocabulary (0..{})", id, vocab - 1);
+  if (T > kv.max_chunk()) {
+    // A ring cache (sliding-window layers, KvCache) holds the window and one chunk of new tokens:
+    // longer inputs go a chunk at a time; only the last picks a token or returns the last logits.
+    std::vector<float> part;
+    if (logits) logits->clear();
+    for (int64_t t0 = 0; t0 < T; t0 += kv.max_chunk()) {
+      const int64_t n = std::min(kv.max_chunk(), T - t0);
+      const bool last = t0 + n == T;
+      std::vector<float>* out = all_logits || last ? (logits ? &part : nullptr) : nullptr;
+      run(tokens.subspan(size_t(t0), size_t(n)), pos0 + t0, kv, all_logits, out, last ? sample : nullptr,
+          last ? token_id : nullptr, last ? penalties : nullptr);
+      if (out) logits->insert(logits->end(), part.begin(), part.end());
+    }
+    return;
+  }
   std::vector<int32_t> positions(static_cast<size_t>(T));
   for (int64_t t = 0; t < T; ++t) positions[size_t(t)] = int32_t(pos0 + t);
   const int64_t rows = all_logits ? T : 1;
@@ -100,7 +115,7 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
         backend_.argmax(out.data(), 1, vocab, id.data<int32_t>());
       }
       backend_.copy_to_host(token_id, id.data(), 4);
-    } else {
+    } else if (logits) {
       backend_.copy_to_host(logits->data(), out.data(), logits->size() * 4);
     }
     return;

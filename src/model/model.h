@@ -106,9 +106,14 @@ class Model {
   void release_graphs(const KvCache& kv);
   // A cache for one sequence of up to max_tokens positions, of the model's KV dtype (F16 unless
   // set_kv_dtype chose F32 or F8_E4M3), in blocks of 2^block_size_log2 positions.
-  virtual KvCache make_kv_cache(int64_t max_tokens, int block_size_log2 = KvCache::kDefaultBlockSizeLog2) const {
+  // Sliding-window layers keep a ring of window + ring_chunk positions where that is shorter than
+  // max_tokens (KvCache); forward() then takes ring_chunk tokens at a time.
+  virtual KvCache make_kv_cache(int64_t max_tokens, int block_size_log2 = KvCache::kDefaultBlockSizeLog2,
+                                int64_t ring_chunk = KvCache::kDefaultRingChunk) const {
+    std::vector<int64_t> windows;
+    for (int64_t i = 0; i < config_.num_hidden_layers; ++i) windows.push_back(config_.layer_window(i));
     return KvCache(backend_, config_.num_hidden_layers, max_tokens, config_.num_key_value_heads, config_.head_dim,
-                   kv_dtype_, block_size_log2);
+                   kv_dtype_, block_size_log2, std::move(windows), ring_chunk);
   }
   // A pool shared by up to n_rows sequences of up to blocks_per_row blocks each (a server's).
   // n_sliding_blocks > 0: the sliding-window layers keep their K/V in a pool of their own of that

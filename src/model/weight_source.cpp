@@ -101,6 +101,11 @@ class DummySource final : public WeightSource {
     w.name = prefix;
     w.n = n;
     w.k = k;
+    if (int4_group > 0 && quantizes_to_mxfp4()) {  // --quantize-layers ... --quantize-format mxfp4
+      w = random_mxfp4(prefix, n, k);
+      if (has_bias) w.bias = static_cast<const float*>(fill(w, DType::F32, n, -0.1f, 0.1f));
+      return w;
+    }
     if ((o_.int4 && prefix.ends_with("_proj")) || int4_group > 0) {
       NIBBLE_CHECK(k % 8 == 0 && n % 8 == 0, "--quantization int4: '{}' is [{}, {}], not a multiple "
                    "of 8", prefix, n, k);
@@ -166,7 +171,7 @@ class DummySource final : public WeightSource {
   }
   // Random codes and scales 2^-9 .. 2^-7: weights of magnitude up to ~0.05, like gpt-oss's.
   LinearWeight random_mxfp4(const std::string& name, int64_t n, int64_t k) {
-    NIBBLE_CHECK(k % kMxfp4Block == 0, "--quantization mxfp4: '{}' has {} inputs, not a multiple of {}", name, k,
+    NIBBLE_CHECK(k % kMxfp4Block == 0, "MXFP4 dummy weights: '{}' has {} inputs, not a multiple of {}", name, k,
                  kMxfp4Block);
     LinearWeight w;
     w.name = name;

@@ -41,6 +41,7 @@ void LinearWeight::row_f32(int64_t row, float* out) const {
                           row, out);
       return;
     case WeightFormat::kMxfp4:
+      NIBBLE_ASSERT(mxfp4.layout == Mxfp4Layout::kRowMajor);
       dequantize_mxfp4_row(mxfp4.codes, mxfp4.scales, k, row, out);
       return;
   }

@@ -44,6 +44,12 @@ class FixtureTest : public ::testing::TestWithParam<std::tuple<std::string, std:
     }
   }
   std::string name() const { return std::get<0>(GetParam()) + " on " + std::get<1>(GetParam()); }
+  // Whether this fixture's weights go through kernels that round the activations to f16 on this
+  // backend (CUDA's MXFP4 kernels; the tiny INT4 fixtures' rows are too short for the INT4 ones):
+  // then the f32 cache is held to the 16-bit tolerance too.
+  bool f16_activations() const {
+    return std::get<1>(GetParam()) == "cuda" && std::get<0>(GetParam()).find("mxfp4") != std::string::npos;
+  }
   std::string dir() const { return std::string(NIBBLE_FIXTURES_DIR) + "/models/" + std::get<0>(GetParam()); }
   std::unique_ptr<Backend> backend_;
 };
@@ -60,7 +66,7 @@ TEST_P(FixtureTest, LogitsMatchTransformers) {
   const int64_t vocab = model->config().vocab_size;
   ASSERT_EQ(want.logits.size(), want.prompt.size() * size_t(vocab));
   for (DType dtype : {DType::F32, DType::F16}) {
-    const double tolerance = dtype == DType::F32 ? kTolerance : kF16KvTolerance;
+    const double tolerance = dtype == DType::F32 && !f16_activations() ? kTolerance : kF16KvTolerance;
     const std::string what = name() + ", " + std::string(dtype_name(dtype)) + " KV cache";
     model->set_kv_dtype(dtype);
     KvCache kv = model->make_kv_cache(int64_t(want.prompt.size()));

@@ -3,8 +3,13 @@
 // decode kernels with windows that end splits early or span them, the chunked prefill, the exact
 // fallback for other head sizes; f16, f32 and FP8 KV), and the MoE block with a biased router,
 // biased experts whose gate/up rows are interleaved, and the clamped SwiGLU. All f32 math on both
-// sides except the tensor-core attention (f16 operands: 2e-3, as in OpsTest.Attention).
+// sides except the tensor-core attention (f16 operands: 2e-3, as in OpsTest.Attention) and the MXFP4
+// decode kernels, which round the activations to f16 (1e-3, as the INT4 ones in OpsTest); prefill
+// shapes dequantise to BF16 (exact) for the near-f32 dense GEMM (1e-5).
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <optional>
 
 #include "backend/backend.h"
 #include "gpu_compare.h"
@@ -13,6 +18,7 @@ namespace nibble {
 namespace {
 
 constexpr double kTolerance = 1e-5;
+constexpr double kF16Tolerance = 1e-3;
 
 class GptOssOpsTest : public GpuCompareTest {
  protected:
@@ -38,9 +44,14 @@ class GptOssOpsTest : public GpuCompareTest {
   }
 };
 
+// Shapes: a last group of 3 blocks (k = 96) and of 2 (2880, gpt-oss's hidden size), rows that end
+// inside a 16-row tile (136, 201), one block per row (32), one group (128), a row of 8 groups of
+// 4 (4096, o_proj's input), and an lm_head-sized matrix (blocks of 4 tiles, a last partial tile).
 TEST_F(GptOssOpsTest, LinearMxfp4) {
-  for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 96}, {5760, 2880}, {201, 4096}, {64, 32}}) {
-    for (int64_t m : {1, 3, 8, 9, 33}) {
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 96}, {5760, 2880}, {201, 4096}, {64, 32}, {48, 128},
+                      {32776, 2880}}) {
+    for (int64_t m : {1, 2, 3, 8, 9, 33}) {
+      if (n > 10000 && m != 1 && m != 3) continue;  // lm_head-sized: 4 tiles a block, 3 batches a warp
       LinearWeight host = random_mxfp4(n, k, m % 2 == 1);
       LinearWeight dev = gpu_->upload(host);
       auto x = random(m * k);
@@ -48,9 +59,78 @@ TEST_F(GptOssOpsTest, LinearMxfp4) {
       cpu_->linear(host, x.data(), m, want.data());
       float* out = poisoned_gpu(m * n);
       gpu_->linear(dev, on_gpu(x), m, out);
-      expect_close(to_host(out, m * n), want, fmt::format("linear mxfp4 m={} n={} k={}", m, n, k), kTolerance);
+      const double tolerance = m <= 8 ? kF16Tolerance : kTolerance;
+      expect_close(to_host(out, m * n), want, fmt::format("linear mxfp4 m={} n={} k={}", m, n, k), tolerance);
       release_buffers();
     }
+  }
+}
+
+// The fused decode forms on MXFP4 (the RMS norm in the GEMV's prologue, the residual add in its
+// store), q/k/v concatenated into one weight, and a weight filled on the device in the
+// checkpoint's layout and then prepared (what dummy weights do).
+TEST_F(GptOssOpsTest, Mxfp4FusedFormsConcatAndPrepare) {
+  const int64_t k = 2880;
+  const float eps = 1e-5f;
+  WeightVector norm_host = host_vector(random(k, 1.f));
+  WeightVector norm_dev = gpu_->upload(norm_host);
+  for (int64_t m : {1, 4}) {
+    LinearWeight host = random_mxfp4(200, k, true), dev = gpu_->upload(host);
+    auto x = random(m * k, 3.f);
+    std::vector<float> want(size_t(m * 200));
+    cpu_->rms_norm_linear(x.data(), norm_host, eps, host, m, want.data());
+    float* out = poisoned_gpu(m * 200);
+    gpu_->rms_norm_linear(on_gpu(x), norm_dev, eps, dev, m, out);
+    expect_close(to_host(out, m * 200), want, fmt::format("mxfp4 rms_norm_linear m={}", m), kF16Tolerance);
+
+    auto res = random(m * 200, 2.f);
+    std::vector<float> want_res = res;
+    cpu_->linear_add(host, x.data(), m, want_res.data());
+    float* res_dev = on_gpu(res);
+    gpu_->linear_add(dev, on_gpu(x), m, res_dev);
+    expect_close(to_host(res_dev, m * 200), want_res, fmt::format("mxfp4 linear_add m={}", m), kF16Tolerance);
+    release_buffers();
+  }
+  {
+    LinearWeight q = random_mxfp4(64, k, true), kk = random_mxfp4(16, k, true), v = random_mxfp4(48, k, true);
+    LinearWeight dq = gpu_->upload(q), dk = gpu_->upload(kk), dv = gpu_->upload(v);
+    std::optional<LinearWeight> qkv = gpu_->concat_rows({&dq, &dk, &dv});
+    ASSERT_TRUE(qkv.has_value());
+    ASSERT_EQ(qkv->n, 128);
+    auto x = random(2 * k);
+    std::vector<float> want(2 * 128), part;
+    int64_t offset = 0;
+    for (const LinearWeight* w : {&q, &kk, &v}) {
+      part.assign(size_t(2 * w->n), 0.f);
+      cpu_->linear(*w, x.data(), 2, part.data());
+      for (int64_t r = 0; r < 2; ++r)
+        std::copy_n(part.begin() + r * w->n, w->n, want.begin() + r * 128 + offset);
+      offset += w->n;
+    }
+    float* out = poisoned_gpu(2 * 128);
+    gpu_->linear(*qkv, on_gpu(x), 2, out);
+    expect_close(to_host(out, 2 * 128), want, "mxfp4 q/k/v concatenated", kF16Tolerance);
+    release_buffers();
+  }
+  {
+    LinearWeight host = random_mxfp4(40, k, false);
+    std::vector<uint8_t> codes(host.mxfp4.codes, host.mxfp4.codes + 40 * k / 2),
+        scales(host.mxfp4.scales, host.mxfp4.scales + 40 * k / 32);
+    LinearWeight raw = host;
+    raw.storage.clear();
+    raw.mxfp4 = {on_gpu(codes), on_gpu(scales), Mxfp4Layout::kRowMajor};
+    LinearWeight dev = gpu_->prepare(raw);
+    EXPECT_EQ(dev.mxfp4.layout, Mxfp4Layout::kDecode);
+    for (int64_t m : {1, 12}) {
+      auto x = random(m * k);
+      std::vector<float> want(size_t(m * 40));
+      cpu_->linear(host, x.data(), m, want.data());
+      float* out = poisoned_gpu(m * 40);
+      gpu_->linear(dev, on_gpu(x), m, out);
+      expect_close(to_host(out, m * 40), want, fmt::format("mxfp4 prepared on the device m={}", m),
+                   m <= 8 ? kF16Tolerance : kTolerance);
+    }
+    release_buffers();
   }
 }
 
@@ -86,9 +166,14 @@ TEST_F(GptOssOpsTest, AttentionSinksAndWindows) {
   }
 }
 
+// A small block at three token counts, and gpt-oss's own sizes (2880 x 2880: several batches of
+// groups per warp in both decode kernels) at decode token counts.
 TEST_F(GptOssOpsTest, MoeBlock) {
-  const int64_t H = 256, inter = 128, E = 8;
-  for (int64_t m : {1, 5, 40}) {
+  struct Case {
+    int64_t H, inter, E, m;
+  };
+  for (auto [H, inter, E, m] : {Case{256, 128, 8, 1}, Case{256, 128, 8, 5}, Case{256, 128, 8, 40},
+                                Case{2880, 2880, 6, 1}, Case{2880, 2880, 6, 3}}) {
     MoeWeights host, dev;
     for (MoeWeights* w : {&host, &dev}) {
       w->top_k = 4;
@@ -125,7 +210,18 @@ TEST_F(GptOssOpsTest, MoeBlock) {
     cpu_->moe(host, x.data(), m, want.data());
     float* out = poisoned_gpu(m * H);
     gpu_->moe(dev, on_gpu(x), m, out);
-    expect_close(to_host(out, m * H), want, fmt::format("gpt-oss moe m={}", m), kTolerance);
+    expect_close(to_host(out, m * H), want, fmt::format("gpt-oss moe m={}", m), kF16Tolerance);
+    // The decode step's form: the norm first, the block's output added to the residual stream.
+    WeightVector norm_host = host_vector(random(H, 1.f));
+    WeightVector norm_dev = gpu_->upload(norm_host);
+    std::vector<float> want_res = x;
+    cpu_->rms_norm_moe_add(norm_host, 1e-5f, host, m, want_res.data());
+    float* res = on_gpu(x);
+    gpu_->rms_norm_moe_add(norm_dev, 1e-5f, dev, m, res);
+    // Compared as what was added, so the residual's size does not dilute the error.
+    std::vector<float> got_res = to_host(res, m * H);
+    for (size_t i = 0; i < x.size(); ++i) got_res[i] -= x[i], want_res[i] -= x[i];
+    expect_close(got_res, want_res, fmt::format("gpt-oss rms_norm_moe_add m={}", m), kF16Tolerance);
     release_buffers();
   }
 }

@@ -169,16 +169,34 @@ class CudaBackend final : public Backend {
 
   // A caching allocator: freed blocks are kept by size and handed out again, so the buffers of
   // each decode step cost no cudaMalloc (and no cudaFree, which synchronises the device). Reuse is
-  // safe because all work runs in order on one stream.
+  // safe because all work runs in order on one stream. Sizes round up to 512 bytes, and past
+  // 4 MiB to 1/8 of their power of two, so the varying scratch of prefill (a chunk's rows per
+  // expert) falls into a few sizes. When the device is full, the cache is given back (and with
+  // it the recorded graphs, which use its blocks: they are recorded again) and the
+  // allocation tried once more.
+  static size_t alloc_size(size_t bytes) {
+    size_t size = (std::max<size_t>(bytes, 1) + 511) / 512 * 512;
+    if (size > (size_t(4) << 20)) {
+      size_t step = size_t(1) << 20;
+      while (step * 16 < size) step *= 2;  // 1/8 .. 1/16 of the size
+      size = (size + step - 1) / step * step;
+    }
+    return size;
+  }
   void* alloc(size_t bytes) override {
-    const size_t size = (std::max<size_t>(bytes, 1) + 511) / 512 * 512;
+    const size_t size = alloc_size(bytes);
     void* p = nullptr;
     auto& cached = free_blocks_[size];
     if (!cached.empty()) {
       p = cached.back();
       cached.pop_back();
     } else {
-      const cudaError_t err = cudaMalloc(&p, size);
+      cudaError_t err = cudaMalloc(&p, size);
+      if (err != cudaSuccess && !capturing_) {
+        cudaGetLastError();
+        release_cache();
+        err = cudaMalloc(&p, size);
+      }
       NIBBLE_CHECK(err == cudaSuccess, "out of GPU memory allocating {} bytes ({})", bytes,
                    cudaGetErrorString(err));
     }
@@ -205,9 +223,16 @@ class CudaBackend final : public Backend {
   LinearWeight upload(const LinearWeight& host) override {
     LinearWeight w = host;
     w.storage.clear();
-    if (host.format == WeightFormat::kMxfp4) {  // the checkpoint's layout is the kernel's
-      w.mxfp4.codes = static_cast<const uint8_t*>(copy(host.mxfp4.codes, size_t(host.n * host.k / 2), w));
-      w.mxfp4.scales = static_cast<const uint8_t*>(copy(host.mxfp4.scales, size_t(host.n * host.k / kMxfp4Block), w));
+    if (host.format == WeightFormat::kMxfp4) {
+      // Row-major through a temporary, then the decode layout (kernels/gemv_mxfp4.cuh) on the device.
+      NIBBLE_ASSERT(host.mxfp4.layout == Mxfp4Layout::kRowMajor);
+      Buffer codes(*this, size_t(host.n * host.k / 2)), scales(*this, size_t(host.n * host.k / kMxfp4Block));
+      copy_to_backend(codes.data(), host.mxfp4.codes, codes.bytes());
+      copy_to_backend(scales.data(), host.mxfp4.scales, scales.bytes());
+      w.mxfp4.codes = codes.data<uint8_t>();
+      w.mxfp4.scales = scales.data<uint8_t>();
+      w.bias = nullptr;  // a host pointer still: uploaded below
+      w = prepare(w);
     } else if (host.format == WeightFormat::kInt4 && cuda::int4_interleavable(host.k, host.int4.group_size)) {
       const int64_t groups = host.n * host.int4.n_groups;
       cuda::Int4Interleaved il = cuda::interleave_int4(host.int4, host.n, host.k);
@@ -245,14 +270,11 @@ class CudaBackend final : public Backend {
   // fewer per layer. Decode-layout weights only (what the fusion is for).
   std::optional<LinearWeight> concat_rows(const std::vector<const LinearWeight*>& parts) override {
     const LinearWeight& a = *parts[0];
-    if (a.format == WeightFormat::kMxfp4) return std::nullopt;
-    const bool int4 = a.format == WeightFormat::kInt4;
-    if (int4 ? a.int4.layout != Int4Layout::kWarpInterleaved
-             : a.k % (32 * cuda::dense_per_vec(dense_type(a.format))) != 0)
-      return std::nullopt;
+    if (!gemv_layout(a)) return std::nullopt;
+    const bool int4 = a.format == WeightFormat::kInt4, mxfp4 = a.format == WeightFormat::kMxfp4;
     int64_t n = 0;
     for (const LinearWeight* p : parts) {
-      if (p->k != a.k || p->format != a.format || !p->bias != !a.bias) return std::nullopt;
+      if (p->k != a.k || p->format != a.format || !p->bias != !a.bias || !gemv_layout(*p)) return std::nullopt;
       if (int4 && (p->int4.layout != a.int4.layout || p->int4.group_size != a.int4.group_size ||
                    !p->int4.zeros != !a.int4.zeros))
         return std::nullopt;
@@ -274,7 +296,11 @@ class CudaBackend final : public Backend {
       w.storage.push_back(buf);
       return buf->data();
     };
-    if (int4) {
+    if (mxfp4) {  // the decode layout keeps each row's codes and scales apart
+      w.mxfp4.codes = static_cast<const uint8_t*>(cat([](const LinearWeight& p) { return p.mxfp4.codes; }, size_t(a.k / 2)));
+      w.mxfp4.scales = static_cast<const uint8_t*>(
+          cat([](const LinearWeight& p) { return p.mxfp4.scales; }, size_t(cuda::mxfp4_scale_stride(a.k))));
+    } else if (int4) {
       w.int4.codes = static_cast<const uint8_t*>(cat([](const LinearWeight& p) { return p.int4.codes; }, size_t(a.k / 2)));
       w.int4.scales = static_cast<const uint16_t*>(
           cat([](const LinearWeight& p) { return p.int4.scales; }, size_t(a.int4.n_groups) * 2));
@@ -290,6 +316,25 @@ class CudaBackend final : public Backend {
   }
 
   LinearWeight prepare(const LinearWeight& w) override {
+    if (w.format == WeightFormat::kMxfp4 && w.mxfp4.layout == Mxfp4Layout::kRowMajor) {
+      NIBBLE_CHECK(w.k % kMxfp4Block == 0, "{}: MXFP4 rows of {} inputs are not whole blocks of {}", w.name, w.k,
+                   kMxfp4Block);
+      LinearWeight out = w;
+      out.storage.clear();
+      auto codes = std::make_shared<Buffer>(*this, size_t(w.n * w.k / 2));
+      auto scales = std::make_shared<Buffer>(*this, size_t(w.n * cuda::mxfp4_scale_stride(w.k)));
+      cuda::mxfp4_relayout(w.mxfp4.codes, w.mxfp4.scales, codes->data<uint8_t>(), scales->data<uint8_t>(), w.n, w.k);
+      CUDA_CHECK_LAUNCH("mxfp4_relayout");
+      out.storage = {codes, scales};  // the row-major buffers go
+      if (w.bias) {
+        auto bias = std::make_shared<Buffer>(*this, size_t(w.n) * 4);
+        CUDA_CHECK(cudaMemcpy(bias->data(), w.bias, size_t(w.n) * 4, cudaMemcpyDeviceToDevice));
+        out.bias = bias->data<float>();
+        out.storage.push_back(bias);
+      }
+      out.mxfp4 = {codes->data<uint8_t>(), scales->data<uint8_t>(), Mxfp4Layout::kDecode};
+      return out;
+    }
     if (w.format != WeightFormat::kInt4 || w.int4.layout != Int4Layout::kRowMajor ||
         !cuda::int4_interleavable(w.k, w.int4.group_size))
       return w;
@@ -307,12 +352,14 @@ class CudaBackend final : public Backend {
   // Prefill shapes (m > 8) on the tensor-core GEMMs where the weight qualifies; decode layouts on
   // the GEMV kernels, 8 activation rows per launch; anything else on the exact kernels.
   void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
-    OpProfiler::Scope scope(profiler_, w.format == WeightFormat::kInt4 ? "linear int4" : w.n > 100000 ? "lm_head" : "linear dense");
+    OpProfiler::Scope scope(profiler_, w.n > 100000                      ? "lm_head"
+                                       : w.format == WeightFormat::kInt4  ? "linear int4"
+                                       : w.format == WeightFormat::kMxfp4 ? "linear mxfp4"
+                                                                          : "linear dense");
     if ((m > cuda::kGemvMaxM || dense_gemm_first(w, m)) && gemm(w, x, m, out)) return;
+    if (w.format == WeightFormat::kMxfp4 && m > cuda::kGemvMaxM && mxfp4_gemm(w, x, m, out)) return;
     if (!gemv_layout(w)) {
-      if (w.format == WeightFormat::kMxfp4)
-        cuda::linear_mxfp4(w.mxfp4.codes, w.mxfp4.scales, w.bias, x, out, m, w.n, w.k);
-      else if (w.format == WeightFormat::kInt4)
+      if (w.format == WeightFormat::kInt4)
         cuda::linear_int4(w.int4.codes, w.int4.scales, w.int4.zeros, w.bias, x, out, m, w.n, w.k,
                           w.int4.group_size, w.int4.n_groups);
       else
@@ -570,6 +617,16 @@ class CudaBackend final : public Backend {
     return true;
   }
 
+  // Frees the cached blocks and the graphs that may use them.
+  void release_cache() {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    graphs_.clear();
+    for (auto& [size, blocks] : free_blocks_)
+      for (void* p : blocks) CUDA_CHECK(cudaFree(p));
+    free_blocks_.clear();
+  }
+
   void drop_graph(uint64_t key) override {
     auto it = graphs_.find(key);
     if (it == graphs_.end()) return;
@@ -632,13 +689,28 @@ class CudaBackend final : public Backend {
   }
 
   static bool gemv_layout(const LinearWeight& w) {
-    if (w.format == WeightFormat::kMxfp4) return false;  // the exact kernel only, so far
+    if (w.format == WeightFormat::kMxfp4) return w.mxfp4.layout == Mxfp4Layout::kDecode;  // always, once uploaded
     return w.format == WeightFormat::kInt4 ? w.int4.layout == Int4Layout::kWarpInterleaved
-                                           : w.k % (32 * cuda::dense_per_vec(dense_type(w.format))) == 0;
+                                           : w.k % cuda::dense_per_vec(dense_type(w.format)) == 0;
+  }
+
+  // MXFP4 with prefill shapes: dequantised to BF16 (exactly) into scratch, then the dense
+  // tensor-core GEMM. Writing and reading the BF16 copy costs 4x the weight's own bytes, a small
+  // part of a prefill's time; the experts of gpt-oss run through here per expert.
+  bool mxfp4_gemm(const LinearWeight& w, const float* x, int64_t m, float* out) {
+    if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || !cuda::gemm_dense_supports(cuda::Dense::kBF16, w.k)) return false;
+    Buffer dense(*this, size_t(w.n * w.k) * 2);
+    cuda::mxfp4_dequant_bf16(w.mxfp4.codes, w.mxfp4.scales, dense.data(), w.n, w.k);
+    CUDA_CHECK_LAUNCH("mxfp4_dequant_bf16");
+    cuda::gemm_dense(cuda::Dense::kBF16, dense.data(), w.bias, x, out, m, w.n, w.k);
+    CUDA_CHECK_LAUNCH("gemm");
+    return true;
   }
 
   void gemv(const LinearWeight& w, const float* x, int64_t m, float* out, const cuda::GemvIo& io) {
-    if (w.format == WeightFormat::kInt4)
+    if (w.format == WeightFormat::kMxfp4)
+      cuda::gemv_mxfp4(w.mxfp4.codes, w.mxfp4.scales, w.bias, x, out, m, w.n, w.k, io);
+    else if (w.format == WeightFormat::kInt4)
       cuda::gemv_int4(int4_device(w), w.bias, x, out, m, w.n, w.k, io);
     else
       cuda::gemv_dense(dense_type(w.format), w.dense, w.bias, x, out, m, w.n, w.k, io);
@@ -714,12 +786,14 @@ class CudaBackend final : public Backend {
     std::vector<cuda::Mxfp4Device> gate_up, down;
     for (const MlpWeights& e : w.experts) {
       if (e.gate_up.format != WeightFormat::kMxfp4 || e.down.format != WeightFormat::kMxfp4 ||
-          e.gate_up.n != 2 * tables->inter || e.gate_up.k != H || e.down.n != H || e.down.k != tables->inter)
+          !gemv_layout(e.gate_up) || !gemv_layout(e.down) || e.gate_up.n != 2 * tables->inter ||
+          e.gate_up.k != H || e.down.n != H || e.down.k != tables->inter)
         return nullptr;
       gate_up.push_back({e.gate_up.mxfp4.codes, e.gate_up.mxfp4.scales, e.gate_up.bias});
       down.push_back({e.down.mxfp4.codes, e.down.mxfp4.scales, e.down.bias});
     }
-    if (gate_up.empty() || w.top_k > cuda::kMoeMaxTopK || w.router.n > cuda::kMoeMaxExperts) return nullptr;
+    if (gate_up.empty() || w.top_k > cuda::kMoeDecodeMaxTopK || w.router.n > cuda::kMoeMaxExperts || H % 16 != 0)
+      return nullptr;
     auto upload_table = [&](const std::vector<cuda::Mxfp4Device>& t, Buffer& dst) {
       dst = Buffer(*this, t.size() * sizeof(cuda::Mxfp4Device));
       copy_to_backend(dst.data(), t.data(), t.size() * sizeof(cuda::Mxfp4Device));
@@ -734,10 +808,10 @@ class CudaBackend final : public Backend {
                      bool accumulate) {
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
-    Buffer act(*this, size_t(m * K * tables.inter) * 4);
+    Buffer act(*this, size_t(m * K * tables.inter) * 2);  // f16, staged for the down projection
     linear(w.router, x, m, logits.data());
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
-    cuda::moe_decode_mxfp4(tables.gate_up.data<cuda::Mxfp4Device>(), tables.down.data<cuda::Mxfp4Device>(),
+    cuda::moe_decode_mxfp4(tables.gate_up.data<cuda::Mxfp4Device>(), tables.down.data<cuda::Mxfp4Device>(), E,
                            ids.data<int32_t>(), weights.data(), x, act.data(), out, accumulate, m, K, tables.inter, H,
                            w.swiglu_alpha, w.swiglu_limit);
     CUDA_CHECK_LAUNCH("moe_decode_mxfp4");

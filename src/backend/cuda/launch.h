@@ -21,14 +21,15 @@ struct Int4Device {
   int64_t group_shift;   // log2(group size); 30 when one group spans K
   int64_t n_groups;
 };
-// One MXFP4 matrix on the device: codes [n][k/2], E8M0 scales [n][k/32], f32 bias [n] or null.
+// One MXFP4 matrix on the device in the decode layout (kernels/gemv_mxfp4.cuh: codes [n][k/2],
+// E8M0 scales [n][mxfp4_scale_stride(k)]), f32 bias [n] or null.
 struct Mxfp4Device {
   const uint8_t* codes;
   const uint8_t* scales;
   const float* bias;
 };
 constexpr int64_t kGemvMaxM = 8;
-// Elements per 16-byte vector of a dense type: gemv_dense needs k % (32 * this) == 0.
+// Elements per 16-byte vector of a dense type: gemv_dense needs k % this == 0.
 constexpr int64_t dense_per_vec(Dense t) { return t == Dense::kF32 ? 4 : 8; }
 constexpr int64_t kAttentionMaxHeadDim = 256;
 constexpr int64_t kMoeMaxTopK = 32;
@@ -74,11 +75,22 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
                      int64_t top_k, int64_t inter, int64_t hidden);
 // gpt-oss's MoE for m <= kGemvMaxM tokens with the routing on the device (ids/weights [m, top_k])
 // over MXFP4 experts (device arrays of n_experts Mxfp4Device; gate_up rows interleaved gate_j,
-// up_j, biases, the clamped SwiGLU with alpha and limit): act is scratch of m·top_k·inter floats;
-// out = (accumulate ? out : 0) + Σ weight · expert(x) (kernels/moe_mxfp4.cuh).
-void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, const int32_t* ids, const float* weights,
-                      const float* x, float* act, float* out, bool accumulate, int64_t m, int64_t top_k, int64_t inter,
-                      int64_t hidden, float alpha, float limit);
+// up_j, biases, the clamped SwiGLU with alpha and limit): act is scratch of m·top_k·inter halves;
+// out = (accumulate ? out : 0) + Σ weight · expert(x) (kernels/moe_mxfp4.cuh). top_k <=
+// kMoeDecodeMaxTopK, hidden % 16 == 0, inter % 32 == 0.
+void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64_t n_experts, const int32_t* ids,
+                      const float* weights, const float* x, void* act, float* out, bool accumulate, int64_t m,
+                      int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit);
+// MXFP4 (k % 32 == 0): the checkpoint's row-major codes [n][k/2] and scales [n][k/32] -> the
+// decode layout (out_scales: n · mxfp4_scale_stride(k) bytes), device to device.
+int64_t mxfp4_scale_stride(int64_t k);
+void mxfp4_relayout(const uint8_t* codes, const uint8_t* scales, uint8_t* out_codes, uint8_t* out_scales, int64_t n,
+                    int64_t k);
+// Decode-layout MXFP4 -> BF16 [n][k] (exact), for prefill shapes on the dense tensor-core GEMM.
+void mxfp4_dequant_bf16(const uint8_t* codes, const uint8_t* scales, void* out, int64_t n, int64_t k);
+// Decode GEMV of a decode-layout MXFP4 matrix (m <= kGemvMaxM).
+void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y, int64_t m,
+                int64_t n, int64_t k, const GemvIo& io = {});
 // Decode attention in one launch over the paged cache: f16 KV on the tensor cores
 // (attention_decode_tc_kernel: head_dim 64/128, GQA groups up to 16), f32 KV on CUDA cores
 // (attention_decode_kernel: head_dim 64/128, groups up to 8); false (nothing launched) for other
@@ -108,9 +120,6 @@ void silu_mul(const float* gate, const float* up, int64_t count, float* out);
 // gpt-oss's clamped SwiGLU over interleaved gate/up rows [rows, 2·inter] into out [rows, inter].
 void clamped_swiglu_interleaved(const float* gate_up, int64_t rows, int64_t inter, float alpha, float limit,
                                 float* out);
-// MXFP4 weights (codes [n][k/2], E8M0 scales [n][k/32]): the exact warp-per-row kernel.
-void linear_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,
-                  int64_t m, int64_t n, int64_t k);
 void add(const float* x, int64_t count, float* y);
 // Row-wise arg-max (lowest index on ties); scratch: argmax_scratch_bytes(rows) of device memory.
 int64_t argmax_scratch_bytes(int64_t rows);

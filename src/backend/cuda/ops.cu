@@ -17,6 +17,7 @@
 #include "kernels/elementwise.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/gemv_mma.cuh"
+#include "kernels/gemv_mxfp4.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/moe_mxfp4.cuh"
@@ -263,6 +264,26 @@ void dispatch_mma_split(int64_t k, Fn&& fn, int64_t m = 1) {
   }
 }
 
+// Warps along K per 16-row tile (KS) and tiles per block (NTB) of the MXFP4 decode GEMV: a warp
+// keeps kMxfp4Batch groups of 128 k in flight, so KS is what lets one batch cover the row (up to
+// 8 warps: K = 4096), and the rest of the block's 8 warps take more tiles. Every block stages x,
+// so where the tiles alone fill the GPU many times over (an lm_head) blocks take 4 tiles.
+template <typename Fn>
+void dispatch_mxfp4_split(int64_t k, int64_t n, Fn&& fn) {
+  using std::integral_constant;
+  const int64_t batches = (kernels::mxfp4_groups(k) + kernels::kMxfp4Batch - 1) / kernels::kMxfp4Batch;
+  if (n / 16 >= 2048)
+    fn(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+  else if (batches > 4)
+    fn(integral_constant<int, 8>{}, integral_constant<int, 1>{});
+  else if (batches > 2)
+    fn(integral_constant<int, 4>{}, integral_constant<int, 2>{});
+  else if (batches == 2)
+    fn(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+  else
+    fn(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+}
+
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k, const GemvIo& io) {
   const kernels::Int4Weight kw = to_kernel(w);
@@ -476,22 +497,51 @@ void clamped_swiglu_interleaved(const float* gate_up, int64_t rows, int64_t inte
 static_assert(sizeof(Mxfp4Device) == sizeof(kernels::Mxfp4Device) &&
               offsetof(Mxfp4Device, bias) == offsetof(kernels::Mxfp4Device, bias));
 
-void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, const int32_t* ids, const float* weights,
-                      const float* x, float* act, float* out, bool accumulate, int64_t m, int64_t top_k, int64_t inter,
-                      int64_t hidden, float alpha, float limit) {
-  constexpr int kWarps = 8;
+void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64_t n_experts, const int32_t* ids,
+                      const float* weights, const float* x, void* act, float* out, bool accumulate, int64_t m,
+                      int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit) {
   const auto* gu = reinterpret_cast<const kernels::Mxfp4Device*>(gate_up);
   const auto* dn = reinterpret_cast<const kernels::Mxfp4Device*>(down);
-  kernels::moe_mxfp4_gate_up_kernel<<<dim3(blocks_for(inter, kWarps), unsigned(m * top_k)), 32 * kWarps>>>(
-      gu, ids, x, act, top_k, inter, hidden, alpha, limit);
-  kernels::moe_mxfp4_down_kernel<<<dim3(blocks_for(hidden, kWarps), unsigned(m)), 32 * kWarps>>>(
-      dn, ids, weights, act, out, top_k, inter, hidden, accumulate);
+  auto* act_h = static_cast<__half*>(act);
+  {
+    constexpr int KS = 2, NTB = 4;
+    const auto kernel = kernels::moe_mxfp4_gate_up_kernel<KS, NTB>;
+    const size_t smem = size_t(kernels::moe_mxfp4_gate_up_smem(hidden, n_experts));
+    allow_smem(kernel, smem);
+    launch_pdl_smem(kernel, dim3(unsigned(blocks_for(2 * inter / 16, NTB)), unsigned(m * top_k)), 32 * KS * NTB, smem,
+                    gu, n_experts, ids, x, act_h, top_k, inter, hidden, alpha, limit);
+  }
+  const size_t smem = size_t(kernels::mxfp4_x_bytes(top_k, inter));
+  allow_smem(kernels::moe_mxfp4_down_kernel, smem);
+  launch_pdl_smem(kernels::moe_mxfp4_down_kernel, dim3(unsigned(hidden / 16), unsigned(m)),
+                  32 * kernels::kMoeMxfp4DownWarps, smem, dn, ids, weights, act_h, out, top_k, inter, hidden,
+                  accumulate);
 }
 
-void linear_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,
-                  int64_t m, int64_t n, int64_t k) {
-  kernels::linear_mxfp4_warp_row_kernel<<<blocks_for(n, kLinearWarps), 32 * kLinearWarps>>>(codes, scales, bias, x,
-                                                                                              y, m, n, k);
+int64_t mxfp4_scale_stride(int64_t k) { return kernels::mxfp4_scale_stride(k); }
+
+void mxfp4_relayout(const uint8_t* codes, const uint8_t* scales, uint8_t* out_codes, uint8_t* out_scales, int64_t n,
+                    int64_t k) {
+  kernels::mxfp4_relayout_kernel<<<blocks_for(n * k / 8, 256), 256>>>(codes, scales, out_codes, out_scales, n, k);
+}
+
+void mxfp4_dequant_bf16(const uint8_t* codes, const uint8_t* scales, void* out, int64_t n, int64_t k) {
+  kernels::mxfp4_dequant_bf16_kernel<<<blocks_for(n * k / 8, 256), 256>>>(codes, scales,
+                                                                         static_cast<__nv_bfloat16*>(out), n, k);
+}
+
+void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y, int64_t m,
+                int64_t n, int64_t k, const GemvIo& io) {
+  const kernels::Mxfp4Weight w{codes, scales};
+  const size_t smem = size_t(kernels::mxfp4_x_bytes(m, k));
+  dispatch_norm(io, [&](auto kNorm) {
+    dispatch_mxfp4_split(k, n, [&](auto KS, auto NTB) {
+      const auto kernel = kernels::gemv_mxfp4_mma_kernel<kNorm.value, KS.value, NTB.value>;
+      allow_smem(kernel, smem);
+      launch_pdl_smem(kernel, blocks_for((n + 15) / 16, NTB.value), 32 * KS.value * NTB.value, smem, w, bias, x, y,
+                      int(m), n, k, to_kernel(io));
+    });
+  });
 }
 
 int64_t argmax_scratch_bytes(int64_t rows) { return rows * kernels::kArgmaxSplits * 8; }

@@ -1,0 +1,279 @@
+// Decode products of MXFP4 weights (m <= 8 activation rows) on the tensor cores: gpt-oss's experts,
+// and q/k/v, o and the lm_head when they are quantized at load. The INT4 kernels' scheme
+// (kernels/gemv_mma.cuh): the weights are the mma's A (16 output rows), the activation rows its B
+// (M <= 8 columns, the rest zero), A straight from global memory into registers, B from shared
+// memory where the block staged x as f16.
+//
+// Layout (made at upload, backend/cuda: Mxfp4Layout::kDecode). Per row the k/32 blocks of 16
+// bytes go in groups of 4 (128 k, 64 bytes; a last group may hold 1..3); word w of block b of a
+// group of r blocks is stored at byte 4 · (r · w + b) of the group. Thread t of a quad loads word t
+// of each block of a group with one 16-byte load; the quad reads 64 contiguous bytes. Scales: a
+// row's scales padded to 4 per group, so a group's are one 32-bit word.
+//
+// An mma step takes all 16 of its k from one block: the word of thread t holds codes 8t .. 8t + 7
+// of the block; its pairs (p, p + 4) of codes become f16x2 values, pairs 0 and 1 the first step's
+// A, pairs 2 and 3 the second's. So the block's scale multiplies the two steps' sums afterwards,
+// in f32: no range limit on the E8M0 scale, and the weights themselves are exact in f16.
+// E2M1 to f16 bits: the 3 magnitude bits at f16 bits 11..9 and the sign at 15 give exactly
+// value · 2^-14 (exponent field 0..3 and the top mantissa bit: normal and subnormal alike), so
+// the scale applied is 2^(e - 127 + 14). The activations are staged so that a thread's B values
+// of a block are one 16-byte shared load (mxfp4_x_half).
+//
+// Precision: the activations are rounded to f16 (relative 2^-11), products and sums in f32: the
+// INT4 mma kernels' tolerance.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernels/gemv.cuh"
+#include "kernels/mma.cuh"
+#include "kernels/pdl.cuh"
+#include "kernels/timeline.cuh"
+
+namespace nibble::kernels {
+
+__host__ __device__ constexpr int64_t mxfp4_groups(int64_t k) { return (k / 32 + 3) / 4; }
+__host__ __device__ constexpr int64_t mxfp4_scale_stride(int64_t k) { return 4 * mxfp4_groups(k); }
+
+// Blocks in group q of a row of k: 4, or fewer in a last partial group.
+__host__ __device__ constexpr int mxfp4_group_blocks(int64_t k, int64_t q) {
+  return k / 32 - 4 * q >= 4 ? 4 : int(k / 32 - 4 * q);
+}
+
+// Where checkpoint byte `byte` of a row (codes 2·byte, 2·byte + 1) sits in the decode layout.
+__host__ __device__ constexpr int64_t mxfp4_decode_byte(int64_t k, int64_t byte) {
+  const int64_t block = byte / 16, q = block / 4, b = block % 4, w = byte % 16 / 4;
+  return 64 * q + 4 * (mxfp4_group_blocks(k, q) * w + b) + byte % 4;
+}
+
+// Half index of input i in a staged row: within each block of 32, thread t's 8 halves are
+// codes (8t, 8t + 4, 8t + 1, 8t + 5, 8t + 2, 8t + 6, 8t + 3, 8t + 7): the B fragments of the
+// block's two steps in mma order.
+__host__ __device__ constexpr int64_t mxfp4_x_half(int64_t i) {
+  return (i & ~int64_t(7)) | ((i & 3) << 1) | ((i >> 2) & 1);
+}
+
+// Halves per staged row: 32 more than k, so consecutive rows start 64 bytes apart in the banks
+// (k is a multiple of 64 in every shape that matters; then two rows' quads share a phase without
+// conflicts).
+__host__ __device__ constexpr int64_t mxfp4_x_stride(int64_t k) { return k + 32; }
+__host__ __device__ constexpr int64_t mxfp4_x_bytes(int64_t m, int64_t k) { return 2 * m * mxfp4_x_stride(k); }
+
+struct Mxfp4Weight {  // decode layout
+  const uint8_t* codes;
+  const uint8_t* scales;
+};
+
+// Codes at bits 0..3 and 16..19 of x -> f16x2 of value · 2^-14.
+__device__ __forceinline__ uint32_t e2m1x2_to_f16x2(uint32_t x) {
+  return ((x << 9) & 0x0E000E00u) | ((x << 12) & 0x80008000u);
+}
+
+// 2^(e - 127 + 14) as f32 (an E8M0 of 241 and above gives infinity, 255 is NaN in the format).
+__device__ __forceinline__ float e8m0_scale_2p14(uint32_t e) { return __int_as_float(int(min(e + 14u, 255u)) << 23); }
+
+// Rows g and g + 8 of a tile, one group, as thread t of its quad holds them.
+struct Mxfp4Group {
+  uint32_t w[2][4];  // [row][block]: word t of the block
+  uint32_t s[2];     // the group's 4 scales of each row
+};
+
+__device__ __forceinline__ void mxfp4_group_load(const Mxfp4Weight& w, const int64_t (&rows)[2], int64_t k, int64_t q,
+                                                 Mxfp4Group& gr) {
+  const int t = threadIdx.x % 4, r = mxfp4_group_blocks(k, q);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* base = w.codes + rows[h] * (k / 2) + 64 * q;
+    if (r == 4) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(base) + t);
+      gr.w[h][0] = v.x, gr.w[h][1] = v.y, gr.w[h][2] = v.z, gr.w[h][3] = v.w;
+    } else {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) gr.w[h][b] = b < r ? __ldg(reinterpret_cast<const uint32_t*>(base) + r * t + b) : 0u;
+    }
+    gr.s[h] = __ldg(reinterpret_cast<const uint32_t*>(w.scales + rows[h] * mxfp4_scale_stride(k)) + q);
+  }
+}
+
+// acc += the group's products. xb: this thread's 16-byte units of its column's staged row (+ t),
+// null when the column is past m.
+__device__ __forceinline__ void mxfp4_group_dot(const Mxfp4Group& gr, int64_t q, int blocks, const uint4* xb,
+                                                float (&acc)[4]) {
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    if (b >= blocks) break;
+    uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+    if (xb) xv = xb[4 * (4 * q + b)];  // a block is 32 halves: 4 units
+    uint32_t a[2][4];                  // [step]: a0, a1 row g / g + 8 of the low pair, a2, a3 of the high
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int p = 0; p < 4; ++p) a[p / 2][2 * (p % 2) + h] = e2m1x2_to_f16x2(gr.w[h][b] >> (4 * p));
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_f16(d, a[0], xv.x, xv.y);
+    mma_f16(d, a[1], xv.z, xv.w);
+    const float s0 = e8m0_scale_2p14((gr.s[0] >> (8 * b)) & 0xFFu), s1 = e8m0_scale_2p14((gr.s[1] >> (8 * b)) & 0xFFu);
+    acc[0] = fmaf(d[0], s0, acc[0]), acc[1] = fmaf(d[1], s0, acc[1]);
+    acc[2] = fmaf(d[2], s1, acc[2]), acc[3] = fmaf(d[3], s1, acc[3]);
+  }
+}
+
+// A warp's share of one tile: groups kw, kw + KS, ... of rows tile0 + g, tile0 + g + 8 (clamped
+// to n - 1: rows past n are read, never stored), kBatch groups a batch. The first batch is loaded
+// by `start` (before pdl_wait), the rest by `finish`, each one issued before the products of the
+// previous: a warp's products (about 50 instructions a block, most on the integer pipe) would
+// otherwise leave its loads idle, and at batch 1 there are too few warps to hide that.
+constexpr int kMxfp4Batch = 4;
+
+struct Mxfp4Tile {
+  Mxfp4Group gr[kMxfp4Batch];
+  int64_t rows[2];
+  int64_t k, groups;
+  int kw, ks;
+
+  __device__ __forceinline__ void load_batch(const Mxfp4Weight& w, int64_t q0, Mxfp4Group (&dst)[kMxfp4Batch]) {
+#pragma unroll
+    for (int i = 0; i < kMxfp4Batch; ++i)
+      if (q0 + int64_t(i) * ks < groups) mxfp4_group_load(w, rows, k, q0 + int64_t(i) * ks, dst[i]);
+  }
+
+  __device__ __forceinline__ void start(const Mxfp4Weight& w, int64_t tile0, int64_t n, int64_t k_, int kw_,
+                                        int ks_) {
+    const int g = threadIdx.x % 32 / 4;
+    k = k_, kw = kw_, ks = ks_, groups = mxfp4_groups(k_);
+    rows[0] = tile0 + g < n ? tile0 + g : n - 1;
+    rows[1] = tile0 + g + 8 < n ? tile0 + g + 8 : n - 1;
+    load_batch(w, kw, gr);
+  }
+
+  __device__ __forceinline__ void finish(const Mxfp4Weight& w, const uint4* xb, float (&acc)[4]) {
+    const int64_t step = int64_t(ks) * kMxfp4Batch;
+    for (int64_t q0 = kw; q0 < groups; q0 += step) {
+      Mxfp4Group next[kMxfp4Batch];
+      if (q0 + step < groups) load_batch(w, q0 + step, next);
+#pragma unroll
+      for (int i = 0; i < kMxfp4Batch; ++i) {
+        const int64_t q = q0 + int64_t(i) * ks;
+        if (q < groups) mxfp4_group_dot(gr[i], q, mxfp4_group_blocks(k, q), xb, acc);
+      }
+      if (q0 + step < groups)
+#pragma unroll
+        for (int i = 0; i < kMxfp4Batch; ++i) gr[i] = next[i];
+    }
+  }
+};
+
+// Stages rows mi < m of x (RMS-normalised when kNorm: xr.inv must be set) into shared memory as
+// f16 in mxfp4_x_half order, row mi at xs + mi · mxfp4_x_stride(k): 8 inputs a thread, whose
+// permuted halves are one 16-byte unit of the staged row.
+template <int M, bool kNorm>
+__device__ __forceinline__ void mxfp4_stage_x(const XRows<M, kNorm>& xr, int64_t k, __half* xs) {
+  const int per_row = int(k / 8), total = xr.m * per_row;
+  for (int idx = threadIdx.x; idx < total; idx += blockDim.x) {
+    const int mi = idx / per_row;
+    const int64_t k0 = 8 * int64_t(idx % per_row);
+    float f[8];
+    xr.template load<8>(mi, k0, f);
+    // Unit order (8t, 8t + 4, 8t + 1, 8t + 5, ...): pairs (j, j + 4).
+    const uint4 unit = make_uint4(pack_f16x2(f[0], f[4]), pack_f16x2(f[1], f[5]), pack_f16x2(f[2], f[6]),
+                                  pack_f16x2(f[3], f[7]));
+    *reinterpret_cast<uint4*>(xs + mi * mxfp4_x_stride(k) + k0) = unit;
+  }
+}
+
+// This thread's B units: column g (= lane / 4) of the staged rows, null past m.
+__device__ __forceinline__ const uint4* mxfp4_x_units(const __half* xs, int64_t k, int m) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  return g < m ? reinterpret_cast<const uint4*>(xs + g * mxfp4_x_stride(k)) + t : nullptr;
+}
+
+// y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b), m <= kGemvMaxM. A block has NTB 16-row tiles × KS warps
+// along K; warp (nt, kw) takes groups kw, kw + KS, ... of tile nt.
+template <bool kNorm, int KS, int NTB>
+__global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weight w, const float* __restrict__ bias,
+                                                                       const float* __restrict__ x,
+                                                                       float* __restrict__ y, int m, int64_t n,
+                                                                       int64_t k, GemvIo io) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int nt = warp / KS, kw = warp % KS;
+  NIBBLE_TIMELINE_BLOCK(kGemvInt4);
+  Mxfp4Tile tile;
+  tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw, KS);  // weights need no predecessor
+  pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
+  constexpr int kStorePerThread = (4 + KS - 1) / KS;  // NTB · kGemvMaxM · 16 outputs over 32 · KS · NTB threads
+  float prev[kStorePerThread], b[kStorePerThread];
+#pragma unroll
+  for (int j = 0; j < kStorePerThread; ++j) {
+    const int idx = threadIdx.x + j * blockDim.x;
+    const int tn = idx / (m * 16), mi = idx / 16 % m, r = idx % 16;
+    const int64_t out_row = (int64_t(blockIdx.x) * NTB + tn) * 16 + r;
+    const bool mine = idx < NTB * m * 16 && out_row < n;
+    b[j] = bias && mine ? bias[out_row] : 0.f;
+    prev[j] = io.accumulate && mine ? y[mi * n + out_row] : 0.f;
+  }
+  XRows<kGemvMaxM, kNorm> xr{x, k, m, io.norm, {}};
+  block_inv_rms(xr, k, io.eps);
+  __half* xs = reinterpret_cast<__half*>(dynamic_smem());
+  mxfp4_stage_x(xr, k, xs);
+  __syncthreads();
+  NIBBLE_TIMELINE_MARK();
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  tile.finish(w, mxfp4_x_units(xs, k, m), acc);
+  __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
+  if (2 * t < m) partial[nt][kw][2 * t][g] = acc[0], partial[nt][kw][2 * t][g + 8] = acc[2];
+  if (2 * t + 1 < m) partial[nt][kw][2 * t + 1][g] = acc[1], partial[nt][kw][2 * t + 1][g + 8] = acc[3];
+  __syncthreads();
+#pragma unroll
+  for (int jj = 0; jj < kStorePerThread; ++jj) {
+    const int idx = threadIdx.x + jj * blockDim.x;
+    const int tn = idx / (m * 16), mi = idx / 16 % m, r = idx % 16;
+    const int64_t out_row = (int64_t(blockIdx.x) * NTB + tn) * 16 + r;
+    if (idx >= NTB * m * 16 || out_row >= n) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < KS; ++j) s += partial[tn][j][mi][r];
+    y[mi * n + out_row] = prev[jj] + s + b[jj];
+  }
+}
+
+// Checkpoint (row-major) MXFP4 -> the decode layout: one thread per 4-byte word of codes, then
+// one per padded scale slot.
+__global__ void mxfp4_relayout_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                                      uint8_t* __restrict__ out_codes, uint8_t* __restrict__ out_scales, int64_t n,
+                                      int64_t k) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t words = k / 8, stride = mxfp4_scale_stride(k);
+  if (idx < n * words) {
+    const int64_t row = idx / words, byte = 4 * (idx % words);
+    *reinterpret_cast<uint32_t*>(out_codes + row * (k / 2) + mxfp4_decode_byte(k, byte)) =
+        *reinterpret_cast<const uint32_t*>(codes + row * (k / 2) + byte);
+  }
+  if (idx < n * stride) {
+    const int64_t row = idx / stride, slot = idx % stride;
+    out_scales[idx] = slot < k / 32 ? scales[row * (k / 32) + slot] : uint8_t(127);
+  }
+}
+
+// Decode-layout MXFP4 -> BF16 rows [n][k] (exact: 3 significant bits and an 8-bit exponent), for
+// the tensor-core GEMM of prefill shapes. One thread per word: 8 codes.
+__global__ void mxfp4_dequant_bf16_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                                          __nv_bfloat16* __restrict__ out, int64_t n, int64_t k) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, words = k / 8;
+  if (idx >= n * words) return;
+  const int64_t row = idx / words, byte = 4 * (idx % words);
+  const uint32_t v = *reinterpret_cast<const uint32_t*>(codes + row * (k / 2) + mxfp4_decode_byte(k, byte));
+  const float scale = ldexpf(1.f, int(scales[row * mxfp4_scale_stride(k) + byte / 16]) - 127 + 14);
+  alignas(16) __nv_bfloat16 vals[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t h = e2m1x2_to_f16x2(v >> (4 * j)) & 0xFFFFu;
+    vals[j] = __float2bfloat16(__half2float(__ushort_as_half(uint16_t(h))) * scale);
+  }
+  *reinterpret_cast<uint4*>(out + row * k + 2 * byte) = *reinterpret_cast<const uint4*>(vals);
+}
+
+}  // namespace nibble::kernels
