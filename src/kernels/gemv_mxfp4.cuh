@@ -123,11 +123,13 @@ __device__ __forceinline__ void mxfp4_group_dot(const Mxfp4Group& gr, int64_t q,
 
 // A warp's share of one tile: groups kw, kw + KS, ... of rows tile0 + g, tile0 + g + 8 (clamped
 // to n - 1: rows past n are read, never stored), kBatch groups a batch. The first batch is loaded
-// by `start` (before pdl_wait), the rest by `finish`, each one issued before the products of the
-// previous: a warp's products (about 50 instructions a block, most on the integer pipe) would
-// otherwise leave its loads idle, and at batch 1 there are too few warps to hide that.
+// by `start` (before pdl_wait), the rest by `finish`. kDouble: each batch's loads are issued before
+// the products of the previous one (more registers a thread). Measured on gpt-oss-20b's shapes
+// (H100): the single-buffered kernels were faster (MoE down 20 µs a call against 25-28), so they
+// are the default; NIBBLE_MXFP4_DOUBLE=1 selects the other for comparison (backend/cuda/ops.cu).
 constexpr int kMxfp4Batch = 4;
 
+template <bool kDouble>
 struct Mxfp4Tile {
   Mxfp4Group gr[kMxfp4Batch];
   int64_t rows[2];
@@ -153,15 +155,21 @@ struct Mxfp4Tile {
     const int64_t step = int64_t(ks) * kMxfp4Batch;
     for (int64_t q0 = kw; q0 < groups; q0 += step) {
       Mxfp4Group next[kMxfp4Batch];
-      if (q0 + step < groups) load_batch(w, q0 + step, next);
+      if constexpr (kDouble) {
+        if (q0 + step < groups) load_batch(w, q0 + step, next);
+      } else {
+        if (q0 != kw) load_batch(w, q0, gr);
+      }
 #pragma unroll
       for (int i = 0; i < kMxfp4Batch; ++i) {
         const int64_t q = q0 + int64_t(i) * ks;
         if (q < groups) mxfp4_group_dot(gr[i], q, mxfp4_group_blocks(k, q), xb, acc);
       }
-      if (q0 + step < groups)
+      if constexpr (kDouble) {
+        if (q0 + step < groups)
 #pragma unroll
-        for (int i = 0; i < kMxfp4Batch; ++i) gr[i] = next[i];
+          for (int i = 0; i < kMxfp4Batch; ++i) gr[i] = next[i];
+      }
     }
   }
 };
@@ -192,7 +200,7 @@ __device__ __forceinline__ const uint4* mxfp4_x_units(const __half* xs, int64_t 
 
 // y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b), m <= kGemvMaxM. A block has NTB 16-row tiles × KS warps
 // along K; warp (nt, kw) takes groups kw, kw + KS, ... of tile nt.
-template <bool kNorm, int KS, int NTB>
+template <bool kNorm, int KS, int NTB, bool kDouble>
 __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weight w, const float* __restrict__ bias,
                                                                        const float* __restrict__ x,
                                                                        float* __restrict__ y, int m, int64_t n,
@@ -200,7 +208,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int nt = warp / KS, kw = warp % KS;
   NIBBLE_TIMELINE_BLOCK(kGemvInt4);
-  Mxfp4Tile tile;
+  Mxfp4Tile<kDouble> tile;
   tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw, KS);  // weights need no predecessor
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();

@@ -36,7 +36,7 @@ __host__ __device__ constexpr int64_t moe_mxfp4_gate_up_smem(int64_t hidden, int
 // gpt-oss: the row is 1/8 of the weight bytes a block reads). x (the normed input) was written
 // before the router, two launches back, so it is staged before the PDL wait, as is the expert
 // table; after the wait only the expert id stands between the block and its first weight load.
-template <int KS, int NTB>
+template <int KS, int NTB, bool kDouble>
 __global__ void __launch_bounds__(32 * KS * NTB) moe_mxfp4_gate_up_kernel(
     const Mxfp4Device* __restrict__ gate_up, int64_t n_experts, const int32_t* __restrict__ ids,
     const float* __restrict__ x, __half* __restrict__ act, int64_t top_k, int64_t inter, int64_t hidden, float alpha,
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) moe_mxfp4_gate_up_kernel(
   __syncthreads();  // the table and the staged row
   const Mxfp4Device d = table[e];
   const Mxfp4Weight w{d.codes, d.scales};
-  Mxfp4Tile tile;
+  Mxfp4Tile<kDouble> tile;
   tile.start(w, tile0, 2 * inter, hidden, kw, KS);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   tile.finish(w, mxfp4_x_units(xs, hidden, 1), acc);
@@ -85,6 +85,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) moe_mxfp4_gate_up_kernel(
 // experts' first weights load before the PDL wait, as does the residual it adds to.
 constexpr int kMoeMxfp4DownWarps = 8;
 
+template <bool kDouble>
 __global__ void __launch_bounds__(32 * kMoeMxfp4DownWarps) moe_mxfp4_down_kernel(
     const Mxfp4Device* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
     const __half* __restrict__ act, float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden,
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(32 * kMoeMxfp4DownWarps) moe_mxfp4_down_kernel
   const int ks = kMoeMxfp4DownWarps / int(top_k), s = warp / ks, kw = warp % ks;
   const int64_t tok = blockIdx.y, tile0 = int64_t(blockIdx.x) * 16;
   NIBBLE_TIMELINE_BLOCK(kMoeDown);
-  Mxfp4Tile tile;
+  Mxfp4Tile<kDouble> tile;
   Mxfp4Device d{};
   if (s < top_k) {
     d = down[ids[tok * top_k + s]];

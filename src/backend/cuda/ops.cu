@@ -497,25 +497,44 @@ void clamped_swiglu_interleaved(const float* gate_up, int64_t rows, int64_t inte
 static_assert(sizeof(Mxfp4Device) == sizeof(kernels::Mxfp4Device) &&
               offsetof(Mxfp4Device, bias) == offsetof(kernels::Mxfp4Device, bias));
 
+// NIBBLE_MXFP4_DOUBLE=1: the MXFP4 decode kernels' double-buffered variant (kernels/gemv_mxfp4.cuh),
+// for measuring one against the other. NIBBLE_MXFP4_GATE_UP_TILES=1: gate/up with one tile a
+// block and 8 warps along K instead of 4 tiles and 2.
+template <typename Fn>
+void dispatch_mxfp4_double(Fn&& fn) {
+  static const bool double_buffer = std::getenv("NIBBLE_MXFP4_DOUBLE") != nullptr;
+  if (double_buffer)
+    fn(std::true_type{});
+  else
+    fn(std::false_type{});
+}
+
 void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64_t n_experts, const int32_t* ids,
                       const float* weights, const float* x, void* act, float* out, bool accumulate, int64_t m,
                       int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit) {
   const auto* gu = reinterpret_cast<const kernels::Mxfp4Device*>(gate_up);
   const auto* dn = reinterpret_cast<const kernels::Mxfp4Device*>(down);
   auto* act_h = static_cast<__half*>(act);
-  {
-    constexpr int KS = 2, NTB = 4;
-    const auto kernel = kernels::moe_mxfp4_gate_up_kernel<KS, NTB>;
-    const size_t smem = size_t(kernels::moe_mxfp4_gate_up_smem(hidden, n_experts));
-    allow_smem(kernel, smem);
-    launch_pdl_smem(kernel, dim3(unsigned(blocks_for(2 * inter / 16, NTB)), unsigned(m * top_k)), 32 * KS * NTB, smem,
-                    gu, n_experts, ids, x, act_h, top_k, inter, hidden, alpha, limit);
-  }
-  const size_t smem = size_t(kernels::mxfp4_x_bytes(top_k, inter));
-  allow_smem(kernels::moe_mxfp4_down_kernel, smem);
-  launch_pdl_smem(kernels::moe_mxfp4_down_kernel, dim3(unsigned(hidden / 16), unsigned(m)),
-                  32 * kernels::kMoeMxfp4DownWarps, smem, dn, ids, weights, act_h, out, top_k, inter, hidden,
-                  accumulate);
+  static const bool one_tile = std::getenv("NIBBLE_MXFP4_GATE_UP_TILES") != nullptr;
+  dispatch_mxfp4_double([&](auto kDouble) {
+    auto gate_up = [&](auto KS, auto NTB) {
+      const auto kernel = kernels::moe_mxfp4_gate_up_kernel<KS.value, NTB.value, kDouble.value>;
+      const size_t smem = size_t(kernels::moe_mxfp4_gate_up_smem(hidden, n_experts));
+      allow_smem(kernel, smem);
+      launch_pdl_smem(kernel, dim3(unsigned(blocks_for(2 * inter / 16, NTB.value)), unsigned(m * top_k)),
+                      32 * KS.value * NTB.value, smem, gu, n_experts, ids, x, act_h, top_k, inter, hidden, alpha,
+                      limit);
+    };
+    if (one_tile)
+      gate_up(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
+    else
+      gate_up(std::integral_constant<int, 2>{}, std::integral_constant<int, 4>{});
+    const auto down = kernels::moe_mxfp4_down_kernel<kDouble.value>;
+    const size_t smem = size_t(kernels::mxfp4_x_bytes(top_k, inter));
+    allow_smem(down, smem);
+    launch_pdl_smem(down, dim3(unsigned(hidden / 16), unsigned(m)), 32 * kernels::kMoeMxfp4DownWarps, smem, dn, ids,
+                    weights, act_h, out, top_k, inter, hidden, accumulate);
+  });
 }
 
 int64_t mxfp4_scale_stride(int64_t k) { return kernels::mxfp4_scale_stride(k); }
@@ -536,10 +555,12 @@ void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, 
   const size_t smem = size_t(kernels::mxfp4_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_mxfp4_split(k, n, [&](auto KS, auto NTB) {
-      const auto kernel = kernels::gemv_mxfp4_mma_kernel<kNorm.value, KS.value, NTB.value>;
-      allow_smem(kernel, smem);
-      launch_pdl_smem(kernel, blocks_for((n + 15) / 16, NTB.value), 32 * KS.value * NTB.value, smem, w, bias, x, y,
-                      int(m), n, k, to_kernel(io));
+      dispatch_mxfp4_double([&](auto kDouble) {
+        const auto kernel = kernels::gemv_mxfp4_mma_kernel<kNorm.value, KS.value, NTB.value, kDouble.value>;
+        allow_smem(kernel, smem);
+        launch_pdl_smem(kernel, blocks_for((n + 15) / 16, NTB.value), 32 * KS.value * NTB.value, smem, w, bias, x,
+                        y, int(m), n, k, to_kernel(io));
+      });
     });
   });
 }
