@@ -257,6 +257,62 @@ __global__ void gemv_dense_kernel(const void* __restrict__ w, const float* __res
   }
 }
 
+// The output side of the tensor-core decode GEMVs (kernels/gemv_mma.cuh, gemv_mxfp4.cuh): a block
+// has NTB 16-row tiles, KS warps along K on each, and m <= kGemvMaxM tokens; its NTB · m · 16
+// outputs are spread over the block's threads. `load` fetches the bias and the values y already
+// holds (the residual, when accumulating) before the products, so those loads overlap the staging
+// and the products instead of following them; `store` adds the KS warps' partial sums in order.
+template <int KS, int NTB>
+struct TileStore {
+  static constexpr int kPerThread = (4 + KS - 1) / KS;  // NTB · kGemvMaxM · 16 outputs over 32 · KS · NTB threads
+  float prev[kPerThread], b[kPerThread];
+
+  // Output j of this thread: tile tn, token mi, row r of the tile; false past the outputs or n.
+  __device__ __forceinline__ static bool at(int j, int m, int64_t n, int& tn, int& mi, int& r, int64_t& row) {
+    const int idx = threadIdx.x + j * blockDim.x;
+    tn = idx / (m * 16), mi = idx / 16 % m, r = idx % 16;
+    row = (int64_t(blockIdx.x) * NTB + tn) * 16 + r;
+    return idx < NTB * m * 16 && row < n;
+  }
+  __device__ __forceinline__ void load(const float* __restrict__ bias, const float* __restrict__ y, int m, int64_t n,
+                                       bool accumulate) {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      int tn, mi, r;
+      int64_t row;
+      const bool mine = at(j, m, n, tn, mi, r, row);
+      b[j] = bias && mine ? bias[row] : 0.f;
+      prev[j] = accumulate && mine ? y[mi * n + row] : 0.f;
+    }
+  }
+  // partial: [tile][warp along K][token][row of the tile].
+  __device__ __forceinline__ void store(const float (&partial)[NTB][KS][kGemvMaxM][16], float* __restrict__ y, int m,
+                                        int64_t n) const {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      int tn, mi, r;
+      int64_t row;
+      if (!at(j, m, n, tn, mi, r, row)) continue;
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < KS; ++i) s += partial[tn][i][mi][r];
+      y[mi * n + row] = prev[j] + s + b[j];
+    }
+  }
+};
+
+// Copies `rows` activation rows already staged as f16 (`halves` each, a multiple of 8, contiguous
+// from src) into shared memory rows `stride` halves apart, 16 bytes a thread: the MoE down
+// projections' inputs, written by their gate/up kernels in staged order.
+__device__ __forceinline__ void copy_staged_rows(const __half* __restrict__ src, int rows, int64_t halves,
+                                                 int64_t stride, __half* dst) {
+  const int units = int(halves / 8);
+  for (int idx = threadIdx.x; idx < rows * units; idx += blockDim.x) {
+    const int row = idx / units, u = idx % units;
+    reinterpret_cast<uint4*>(dst + row * stride)[u] = reinterpret_cast<const uint4*>(src + row * halves)[u];
+  }
+}
+
 // Row-major INT4 codes [n][k/2] -> the interleaved layout above; one thread per output word.
 __global__ void int4_interleave_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
                                        int64_t n, int64_t k) {

@@ -263,19 +263,8 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw);  // weights need no predecessor
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();
-  // The values this block's store adds to (the residual) and the bias, fetched now so the loads
-  // overlap the staging and the products instead of following them.
-  constexpr int kStorePerThread = (4 + KS - 1) / KS;  // NTB · kGemvMaxM · 16 outputs over 32 · KS · NTB threads
-  float prev[kStorePerThread], b[kStorePerThread];
-#pragma unroll
-  for (int j = 0; j < kStorePerThread; ++j) {
-    const int idx = threadIdx.x + j * blockDim.x;
-    const int tn = idx / (m * 16), mi = idx / 16 % m, r = idx % 16;
-    const int64_t out_row = (int64_t(blockIdx.x) * NTB + tn) * 16 + r;
-    const bool mine = idx < NTB * m * 16 && out_row < n;
-    b[j] = bias && mine ? bias[out_row] : 0.f;
-    prev[j] = io.accumulate && mine ? y[mi * n + out_row] : 0.f;
-  }
+  TileStore<KS, NTB> store;  // the bias and the residual, fetched before the products
+  store.load(bias, y, m, n, io.accumulate);
   XRows<kGemvMaxM, kNorm> xr{x, k, m, io.norm, {}};
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
@@ -288,17 +277,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   if (2 * t < m) partial[nt][kw][2 * t][g] = d.x, partial[nt][kw][2 * t][g + 8] = d.z;
   if (2 * t + 1 < m) partial[nt][kw][2 * t + 1][g] = d.y, partial[nt][kw][2 * t + 1][g + 8] = d.w;
   __syncthreads();
-#pragma unroll
-  for (int jj = 0; jj < kStorePerThread; ++jj) {
-    const int idx = threadIdx.x + jj * blockDim.x;
-    const int tn = idx / (m * 16), mi = idx / 16 % m, r = idx % 16;
-    const int64_t out_row = (int64_t(blockIdx.x) * NTB + tn) * 16 + r;
-    if (idx >= NTB * m * 16 || out_row >= n) continue;
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < KS; ++j) s += partial[tn][j][mi][r];
-    y[mi * n + out_row] = prev[jj] + s + b[jj];
-  }
+  store.store(partial, y, m, n);
 }
 
 // MoE decode, stage 1: for token t and slot s (expert e = ids[t, s]), act[t, s] =
@@ -393,12 +372,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   NIBBLE_TIMELINE_WAITED();
   // The slots' activation rows are already f16 in mma order: 16-byte copies.
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
-  const int units = int(inter / 8);
-  for (int idx = threadIdx.x; idx < int(top_k) * units; idx += blockDim.x) {
-    const int s2 = idx / units, u = idx % units;
-    reinterpret_cast<uint4*>(xs + s2 * mma_x_stride(inter))[u] =
-        reinterpret_cast<const uint4*>(act + (tok * top_k + s2) * inter)[u];
-  }
+  copy_staged_rows(act + tok * top_k * inter, int(top_k), inter, mma_x_stride(inter), xs);
   __syncthreads();
   NIBBLE_TIMELINE_MARK();
   float acc[kMmaChains][4] = {};

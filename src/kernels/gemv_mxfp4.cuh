@@ -212,17 +212,8 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
   tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw, KS);  // weights need no predecessor
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();
-  constexpr int kStorePerThread = (4 + KS - 1) / KS;  // NTB · kGemvMaxM · 16 outputs over 32 · KS · NTB threads
-  float prev[kStorePerThread], b[kStorePerThread];
-#pragma unroll
-  for (int j = 0; j < kStorePerThread; ++j) {
-    const int idx = threadIdx.x + j * blockDim.x;
-    const int tn = idx / (m * 16), mi = idx / 16 % m, r = idx % 16;
-    const int64_t out_row = (int64_t(blockIdx.x) * NTB + tn) * 16 + r;
-    const bool mine = idx < NTB * m * 16 && out_row < n;
-    b[j] = bias && mine ? bias[out_row] : 0.f;
-    prev[j] = io.accumulate && mine ? y[mi * n + out_row] : 0.f;
-  }
+  TileStore<KS, NTB> store;
+  store.load(bias, y, m, n, io.accumulate);
   XRows<kGemvMaxM, kNorm> xr{x, k, m, io.norm, {}};
   block_inv_rms(xr, k, io.eps);
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
@@ -235,17 +226,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
   if (2 * t < m) partial[nt][kw][2 * t][g] = acc[0], partial[nt][kw][2 * t][g + 8] = acc[2];
   if (2 * t + 1 < m) partial[nt][kw][2 * t + 1][g] = acc[1], partial[nt][kw][2 * t + 1][g + 8] = acc[3];
   __syncthreads();
-#pragma unroll
-  for (int jj = 0; jj < kStorePerThread; ++jj) {
-    const int idx = threadIdx.x + jj * blockDim.x;
-    const int tn = idx / (m * 16), mi = idx / 16 % m, r = idx % 16;
-    const int64_t out_row = (int64_t(blockIdx.x) * NTB + tn) * 16 + r;
-    if (idx >= NTB * m * 16 || out_row >= n) continue;
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < KS; ++j) s += partial[tn][j][mi][r];
-    y[mi * n + out_row] = prev[jj] + s + b[jj];
-  }
+  store.store(partial, y, m, n);
 }
 
 // Checkpoint (row-major) MXFP4 -> the decode layout: one thread per 4-byte word of codes, then

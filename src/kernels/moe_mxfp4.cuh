@@ -106,12 +106,7 @@ __global__ void __launch_bounds__(32 * kMoeMxfp4DownWarps) moe_mxfp4_down_kernel
   NIBBLE_TIMELINE_WAITED();
   // The slots' activation rows are already f16 in staged order: 16-byte copies.
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
-  const int units = int(inter / 8);
-  for (int idx = threadIdx.x; idx < int(top_k) * units; idx += blockDim.x) {
-    const int s2 = idx / units, u = idx % units;
-    reinterpret_cast<uint4*>(xs + s2 * mxfp4_x_stride(inter))[u] =
-        reinterpret_cast<const uint4*>(act + (tok * top_k + s2) * inter)[u];
-  }
+  copy_staged_rows(act + tok * top_k * inter, int(top_k), inter, mxfp4_x_stride(inter), xs);
   __syncthreads();
   NIBBLE_TIMELINE_MARK();
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
