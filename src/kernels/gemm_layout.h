@@ -132,4 +132,63 @@ NIBBLE_HD constexpr int64_t gemv_mma_group(int64_t c, int jp, int r, int e, int 
 // with (row / 2) % 4, which gives the 8 rows 8 different 16-byte bank groups.
 NIBBLE_HD constexpr int dense_unit_swizzle(int row, int unit) { return unit ^ (row >> 1 & 3); }
 
+// The MXFP4 decode layout (kernels/gemv_mxfp4.cuh, which says why it is so): groups of 4 blocks of
+// 32 codes per row, each block's words interleaved, each word's bits rearranged for a cheap decode.
+NIBBLE_HD constexpr int64_t mxfp4_groups(int64_t k) { return (k / 32 + 3) / 4; }
+NIBBLE_HD constexpr int64_t mxfp4_scale_stride(int64_t k) { return 4 * mxfp4_groups(k); }
+
+// Blocks in group q of a row of k: 4, or fewer in a last partial group.
+NIBBLE_HD constexpr int mxfp4_group_blocks(int64_t k, int64_t q) {
+  return k / 32 - 4 * q >= 4 ? 4 : int(k / 32 - 4 * q);
+}
+
+// Where checkpoint byte `byte` of a row (codes 2·byte, 2·byte + 1) sits in the decode layout.
+NIBBLE_HD constexpr int64_t mxfp4_decode_byte(int64_t k, int64_t byte) {
+  const int64_t block = byte / 16, q = block / 4, b = block % 4, w = byte % 16 / 4;
+  return 64 * q + 4 * (mxfp4_group_blocks(k, q) * w + b) + byte % 4;
+}
+
+// Half index of input i in a staged row: within each block of 32, thread t's 8 halves are
+// codes (8t, 8t + 4, 8t + 1, 8t + 5, 8t + 2, 8t + 6, 8t + 3, 8t + 7): the B fragments of the
+// block's two steps in mma order.
+NIBBLE_HD constexpr int64_t mxfp4_x_half(int64_t i) {
+  return (i & ~int64_t(7)) | ((i & 3) << 1) | ((i >> 2) & 1);
+}
+
+// Halves per staged row: 32 more than k, so consecutive rows start 64 bytes apart in the banks
+// (k is a multiple of 64 in every shape that matters; then two rows' quads share a phase without
+// conflicts).
+NIBBLE_HD constexpr int64_t mxfp4_x_stride(int64_t k) { return k + 32; }
+NIBBLE_HD constexpr int64_t mxfp4_x_bytes(int64_t m, int64_t k) { return 2 * m * mxfp4_x_stride(k); }
+
+// The bits of a decode-layout word. In each 16-bit half (the low halves of the four f16x2 pairs in
+// the low one, the high halves in the high one), pair p's code has its sign and magnitude at
+//   p = 0: sign 15, magnitude 11..9  -> in place:            w & 0x8E008E00
+//   p = 1: sign 12, magnitude  8..6  -> shifted by 3:        (w << 3) & 0x8E008E00
+//   p = 2: sign 13, magnitude  2..0  -> sign << 2, magnitude << 9
+//   p = 3: sign 14, magnitude  5..3  -> sign << 1, magnitude << 6
+// Pair p of checkpoint word x is codes p (low half) and p + 4 (high half): bits 4p .. 4p + 3 and
+// 16 + 4p .. 16 + 4p + 3.
+NIBBLE_HD constexpr int mxfp4_sign_bit(int p) { return p == 0 ? 15 : p == 1 ? 12 : p == 2 ? 13 : 14; }
+NIBBLE_HD constexpr int mxfp4_magnitude_bit(int p) { return p == 0 ? 9 : p == 1 ? 6 : p == 2 ? 0 : 3; }
+
+NIBBLE_HD constexpr uint32_t mxfp4_encode_word(uint32_t x) {
+  uint32_t w = 0;
+  for (int p = 0; p < 4; ++p)
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t code = (x >> (16 * half + 4 * p)) & 0xFu;
+      w |= ((code >> 3) << (16 * half + mxfp4_sign_bit(p))) | ((code & 7u) << (16 * half + mxfp4_magnitude_bit(p)));
+    }
+  return w;
+}
+
+// A decode-layout word -> its four f16x2 pairs of value · 2^-14 (pairs[p]: codes p and p + 4).
+NIBBLE_HD constexpr void mxfp4_decode_word(uint32_t w, uint32_t (&pairs)[4]) {
+  constexpr uint32_t kSignMag = 0x8E008E00u, kMag = 0x0E000E00u, kSign = 0x80008000u;
+  pairs[0] = w & kSignMag;
+  pairs[1] = (w << 3) & kSignMag;
+  pairs[2] = ((w << 9) & kMag) | ((w << 2) & kSign);
+  pairs[3] = ((w << 6) & kMag) | ((w << 1) & kSign);
+}
+
 }  // namespace nibble::kernels

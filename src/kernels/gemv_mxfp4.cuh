@@ -8,7 +8,7 @@
 // bytes go in groups of 4 (128 k, 64 bytes; a last group may hold 1..3); word w of block b of a
 // group of r blocks is stored at byte 4 · (r · w + b) of the group. Thread t of a quad loads word t
 // of each block of a group with one 16-byte load; the quad reads 64 contiguous bytes. Scales: a
-// row's scales padded to 4 per group, so a group's are one 32-bit word.
+// row's scales padded to 4 per group, so a group's are one 32-bit word, and biased (mxfp4_decode_scale).
 //
 // An mma step takes all 16 of its k from one block: the word of thread t holds codes 8t .. 8t + 7
 // of the block; its pairs (p, p + 4) of codes become f16x2 values, pairs 0 and 1 the first step's
@@ -18,6 +18,9 @@
 // value · 2^-14 (exponent field 0..3 and the top mantissa bit: normal and subnormal alike), so
 // the scale applied is 2^(e - 127 + 14). The activations are staged so that a thread's B values
 // of a block are one 16-byte shared load (mxfp4_x_half).
+// The bits of each word are also rearranged at upload (mxfp4_encode_word) so that the four f16x2
+// of a word cost 11 integer operations instead of ~20 (a microbenchmark on the H100: +40% words
+// decoded per second; in the MoE kernels, whose limit was occupancy, 4%: BENCHMARKS.md).
 //
 // Precision: the activations are rounded to f16 (relative 2^-11), products and sums in f32: the
 // INT4 mma kernels' tolerance.
@@ -28,6 +31,7 @@
 
 #include <cstdint>
 
+#include "kernels/gemm_layout.h"
 #include "kernels/gemv.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/pdl.cuh"
@@ -35,45 +39,20 @@
 
 namespace nibble::kernels {
 
-__host__ __device__ constexpr int64_t mxfp4_groups(int64_t k) { return (k / 32 + 3) / 4; }
-__host__ __device__ constexpr int64_t mxfp4_scale_stride(int64_t k) { return 4 * mxfp4_groups(k); }
-
-// Blocks in group q of a row of k: 4, or fewer in a last partial group.
-__host__ __device__ constexpr int mxfp4_group_blocks(int64_t k, int64_t q) {
-  return k / 32 - 4 * q >= 4 ? 4 : int(k / 32 - 4 * q);
-}
-
-// Where checkpoint byte `byte` of a row (codes 2·byte, 2·byte + 1) sits in the decode layout.
-__host__ __device__ constexpr int64_t mxfp4_decode_byte(int64_t k, int64_t byte) {
-  const int64_t block = byte / 16, q = block / 4, b = block % 4, w = byte % 16 / 4;
-  return 64 * q + 4 * (mxfp4_group_blocks(k, q) * w + b) + byte % 4;
-}
-
-// Half index of input i in a staged row: within each block of 32, thread t's 8 halves are
-// codes (8t, 8t + 4, 8t + 1, 8t + 5, 8t + 2, 8t + 6, 8t + 3, 8t + 7): the B fragments of the
-// block's two steps in mma order.
-__host__ __device__ constexpr int64_t mxfp4_x_half(int64_t i) {
-  return (i & ~int64_t(7)) | ((i & 3) << 1) | ((i >> 2) & 1);
-}
-
-// Halves per staged row: 32 more than k, so consecutive rows start 64 bytes apart in the banks
-// (k is a multiple of 64 in every shape that matters; then two rows' quads share a phase without
-// conflicts).
-__host__ __device__ constexpr int64_t mxfp4_x_stride(int64_t k) { return k + 32; }
-__host__ __device__ constexpr int64_t mxfp4_x_bytes(int64_t m, int64_t k) { return 2 * m * mxfp4_x_stride(k); }
-
 struct Mxfp4Weight {  // decode layout
   const uint8_t* codes;
   const uint8_t* scales;
 };
 
-// Codes at bits 0..3 and 16..19 of x -> f16x2 of value · 2^-14.
-__device__ __forceinline__ uint32_t e2m1x2_to_f16x2(uint32_t x) {
-  return ((x << 9) & 0x0E000E00u) | ((x << 12) & 0x80008000u);
+// The decode layout's scale bytes are E8M0 + 14, saturated at 255 (made at upload): a byte moved to
+// bits 23..30 is then the f32 2^(e - 127 + 14) that the codes' value · 2^-14 needs (an E8M0 of 241
+// and above gives infinity; 255 is NaN in the format). Byte b of a group's scale word in two
+// operations instead of five.
+__host__ __device__ constexpr uint8_t mxfp4_decode_scale(uint8_t e8m0) { return uint8_t(e8m0 > 241 ? 255 : e8m0 + 14); }
+// (b: a constant once the callers' loops unroll.)
+__device__ __forceinline__ float mxfp4_group_scale(uint32_t word, int b) {
+  return __uint_as_float((b == 3 ? word >> 1 : word << (23 - 8 * b)) & 0x7F800000u);
 }
-
-// 2^(e - 127 + 14) as f32 (an E8M0 of 241 and above gives infinity, 255 is NaN in the format).
-__device__ __forceinline__ float e8m0_scale_2p14(uint32_t e) { return __int_as_float(int(min(e + 14u, 255u)) << 23); }
 
 // Rows g and g + 8 of a tile, one group, as thread t of its quad holds them.
 struct Mxfp4Group {
@@ -109,13 +88,16 @@ __device__ __forceinline__ void mxfp4_group_dot(const Mxfp4Group& gr, int64_t q,
     if (xb) xv = xb[4 * (4 * q + b)];  // a block is 32 halves: 4 units
     uint32_t a[2][4];                  // [step]: a0, a1 row g / g + 8 of the low pair, a2, a3 of the high
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < 2; ++h) {
+      uint32_t pairs[4];
+      mxfp4_decode_word(gr.w[h][b], pairs);
 #pragma unroll
-      for (int p = 0; p < 4; ++p) a[p / 2][2 * (p % 2) + h] = e2m1x2_to_f16x2(gr.w[h][b] >> (4 * p));
+      for (int p = 0; p < 4; ++p) a[p / 2][2 * (p % 2) + h] = pairs[p];
+    }
     float d[4] = {0.f, 0.f, 0.f, 0.f};
     mma_f16(d, a[0], xv.x, xv.y);
     mma_f16(d, a[1], xv.z, xv.w);
-    const float s0 = e8m0_scale_2p14((gr.s[0] >> (8 * b)) & 0xFFu), s1 = e8m0_scale_2p14((gr.s[1] >> (8 * b)) & 0xFFu);
+    const float s0 = mxfp4_group_scale(gr.s[0], b), s1 = mxfp4_group_scale(gr.s[1], b);
     acc[0] = fmaf(d[0], s0, acc[0]), acc[1] = fmaf(d[1], s0, acc[1]);
     acc[2] = fmaf(d[2], s1, acc[2]), acc[3] = fmaf(d[3], s1, acc[3]);
   }
@@ -229,8 +211,8 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
   store.store(partial, y, m, n);
 }
 
-// Checkpoint (row-major) MXFP4 -> the decode layout: one thread per 4-byte word of codes, then
-// one per padded scale slot.
+// Checkpoint (row-major) MXFP4 -> the decode layout (words moved and their bits rearranged, scales
+// biased by 14): one thread per 4-byte word of codes, then one per padded scale slot.
 __global__ void mxfp4_relayout_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
                                       uint8_t* __restrict__ out_codes, uint8_t* __restrict__ out_scales, int64_t n,
                                       int64_t k) {
@@ -239,11 +221,11 @@ __global__ void mxfp4_relayout_kernel(const uint8_t* __restrict__ codes, const u
   if (idx < n * words) {
     const int64_t row = idx / words, byte = 4 * (idx % words);
     *reinterpret_cast<uint32_t*>(out_codes + row * (k / 2) + mxfp4_decode_byte(k, byte)) =
-        *reinterpret_cast<const uint32_t*>(codes + row * (k / 2) + byte);
+        mxfp4_encode_word(*reinterpret_cast<const uint32_t*>(codes + row * (k / 2) + byte));
   }
   if (idx < n * stride) {
     const int64_t row = idx / stride, slot = idx % stride;
-    out_scales[idx] = slot < k / 32 ? scales[row * (k / 32) + slot] : uint8_t(127);
+    out_scales[idx] = mxfp4_decode_scale(slot < k / 32 ? scales[row * (k / 32) + slot] : uint8_t(127));
   }
 }
 
@@ -255,12 +237,14 @@ __global__ void mxfp4_dequant_bf16_kernel(const uint8_t* __restrict__ codes, con
   if (idx >= n * words) return;
   const int64_t row = idx / words, byte = 4 * (idx % words);
   const uint32_t v = *reinterpret_cast<const uint32_t*>(codes + row * (k / 2) + mxfp4_decode_byte(k, byte));
-  const float scale = ldexpf(1.f, int(scales[row * mxfp4_scale_stride(k) + byte / 16]) - 127 + 14);
+  const float scale = __uint_as_float(uint32_t(scales[row * mxfp4_scale_stride(k) + byte / 16]) << 23);
+  uint32_t pairs[4];
+  mxfp4_decode_word(v, pairs);
   alignas(16) __nv_bfloat16 vals[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t h = e2m1x2_to_f16x2(v >> (4 * j)) & 0xFFFFu;
-    vals[j] = __float2bfloat16(__half2float(__ushort_as_half(uint16_t(h))) * scale);
+  for (int j = 0; j < 8; ++j) {  // code j: pair j % 4, low half for j < 4
+    const uint16_t h = uint16_t(pairs[j % 4] >> (j < 4 ? 0 : 16));
+    vals[j] = __float2bfloat16(__half2float(__ushort_as_half(h)) * scale);
   }
   *reinterpret_cast<uint4*>(out + row * k + 2 * byte) = *reinterpret_cast<const uint4*>(vals);
 }

@@ -36,7 +36,7 @@ struct Int4View {
 // MXFP4 weights (format/quant/mxfp4.h): E2M1 codes [n][k/2] and E8M0 scales [n][k/32].
 // kRowMajor: by output channel as gpt-oss checkpoints store them (the CPU reference's layout).
 // kDecode: the CUDA kernels' layout (kernels/gemv_mxfp4.cuh), made at upload: words of 4 blocks
-// interleaved, scale rows padded to whole groups of 4.
+// interleaved and their bits rearranged, scale rows padded to whole groups of 4 and biased.
 enum class Mxfp4Layout : uint8_t { kRowMajor, kDecode };
 struct Mxfp4View {
   const uint8_t* codes = nullptr;

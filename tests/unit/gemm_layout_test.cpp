@@ -309,5 +309,50 @@ TEST(GemmLayout, GemvMmaScaleSetsCoverTheirGroups) {
   }
 }
 
+// MXFP4 decode layout: every checkpoint byte of a row lands on its own byte (partial last groups
+// of 1..3 blocks included), and the staged-x order is a permutation within each block of 32.
+TEST(GemmLayout, Mxfp4DecodeBytesAndStagedOrderArePermutations) {
+  for (int64_t k : {32, 64, 96, 128, 160, 256, 2880}) {
+    std::vector<int> seen(size_t(k / 2), 0);
+    for (int64_t byte = 0; byte < k / 2; ++byte) {
+      const int64_t at = mxfp4_decode_byte(k, byte);
+      ASSERT_GE(at, 0);
+      ASSERT_LT(at, k / 2) << "k " << k << " byte " << byte;
+      ++seen[size_t(at)];
+      // A word stays a word: the 4 bytes of checkpoint word w are bytes 4w' .. 4w' + 3.
+      EXPECT_EQ(at % 4, byte % 4);
+    }
+    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; })) << "k " << k;
+    std::vector<int> halves(size_t(k), 0);
+    for (int64_t i = 0; i < k; ++i) {
+      ASSERT_EQ(mxfp4_x_half(i) / 32, i / 32);
+      ++halves[size_t(mxfp4_x_half(i))];
+    }
+    EXPECT_TRUE(std::all_of(halves.begin(), halves.end(), [](int c) { return c == 1; })) << "k " << k;
+  }
+}
+
+// The rearranged word decodes to the f16 bits of value · 2^-14 for every code in every position:
+// sign at bit 15 and the 3 magnitude bits at 11..9 of its half, pair p holding codes p and p + 4.
+TEST(GemmLayout, Mxfp4WordEncodingDecodesEveryCode) {
+  std::mt19937 rng(7);
+  std::vector<uint32_t> words;
+  for (uint32_t code = 0; code < 16; ++code)
+    for (int pos = 0; pos < 8; ++pos) words.push_back(code << (4 * pos));  // one code alone
+  for (int i = 0; i < 4096; ++i) words.push_back(uint32_t(rng()));
+  words.push_back(0xFFFFFFFFu);
+  for (uint32_t x : words) {
+    uint32_t pairs[4] = {};
+    mxfp4_decode_word(mxfp4_encode_word(x), pairs);
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t code = (x >> (4 * j)) & 0xFu;
+      const uint32_t want = ((code >> 3) << 15) | ((code & 7u) << 9);
+      const uint32_t got = (pairs[j % 4] >> (j < 4 ? 0 : 16)) & 0xFFFFu;
+      ASSERT_EQ(got, want) << std::hex << "word 0x" << x << " code " << j;
+    }
+  }
+  static_assert(mxfp4_encode_word(0) == 0);
+}
+
 }  // namespace
 }  // namespace nibble::kernels
