@@ -30,7 +30,11 @@ std::string kernel_base_name(const std::string& symbol) {
 std::string kernel_category(const std::string& name) {
   auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
   if (has("memcpy") || has("memset")) return "copies (logits out, inputs in)";
+  if (has("moe_mxfp4") || has("gemm_mxfp4_moe")) return "experts (MXFP4)";
   if (has("moe_gate_up") || has("moe_down") || has("grouped")) return "experts (INT4)";
+  if (has("moe_group") || has("moe_combine") || has("gather_rows") || has("scatter_add")) return "expert grouping + combine";
+  if (has("mxfp4_dequant")) return "MXFP4 -> BF16 dequantisation";
+  if (has("gemv_mxfp4") || has("gemm_mxfp4")) return "projections (MXFP4)";
   if (has("moe_router") || has("moe_route")) return "router + routing";
   if (has("gemv_int4") || has("gemm_int4")) return "attention projections (INT4)";
   if (has("gemv_dense") || has("gemm_dense") || has("linear_dense")) return "lm_head / dense";

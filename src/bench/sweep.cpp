@@ -45,6 +45,8 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
   Sampler sampler(sampling, {});
   for (int64_t depth : o.depths) {
     std::vector<std::vector<double>> pp_tok_s(o.prompt_tokens.size()), pp_ttft(o.prompt_tokens.size());
+    std::vector<StepProfile> pp_profile(o.prompt_tokens.size());
+    std::vector<std::string> pp_profile_error(o.prompt_tokens.size());
     std::vector<double> tg_tok_s;
     KvCache kv = model.make_kv_cache(depth + max_new + o.profile_steps);
     StepProfile profile;
@@ -66,6 +68,11 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
         if (keep) {
           pp_tok_s[i].push_back(double(prompt.size()) / s);
           pp_ttft[i].push_back(s * 1e3);
+        }
+        // After the last repetition's, the same prefill again under a device trace (one "step").
+        if (rep == o.repetitions && o.profile_steps > 0 && model.backend().start_trace(&pp_profile_error[i])) {
+          model.forward_greedy(prompt, depth, kv);
+          pp_profile[i] = profile_steps(model.backend().stop_trace(), 1);
         }
       }
       if (o.generate_tokens > 0) {
@@ -95,6 +102,8 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
       double unused;
       mean_std(pp_tok_s[i], r.tok_s_mean, r.tok_s_std);
       mean_std(pp_ttft[i], r.ttft_ms_mean, unused);
+      r.profile = std::move(pp_profile[i]);
+      r.profile_error = std::move(pp_profile_error[i]);
       results.push_back(r);
     }
     if (o.generate_tokens > 0) {

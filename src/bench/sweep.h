@@ -21,7 +21,9 @@ struct SweepOptions {
   std::vector<int64_t> depths{0};
   int repetitions = 3;
   uint64_t seed = 42;
-  int64_t profile_steps = 0;  // > 0: trace this many more decode steps at each depth (--profile)
+  // > 0 (--profile): trace this many more decode steps at each depth, and one more prefill of
+  // each prompt size after the last repetition's.
+  int64_t profile_steps = 0;
   // Decode sampling: temperature 0 is greedy (argmax on the device), else the device draw with
   // these filters (backend/sampling.h); penalties are not applied.
   SamplingParams sampling{.temperature = 0};
@@ -34,7 +36,7 @@ struct SweepResult {
   double ttft_ms_mean = 0;   // pp only
   double bytes_per_token = 0;  // tg only: weights + KV read by one step
   double gb_s = 0, roofline_pct = 0;
-  StepProfile profile;        // tg with profile_steps: where a step's time goes
+  StepProfile profile;        // with profile_steps: where a decode step's (tg) or the prefill's (pp) time goes
   std::string profile_error;  // why there is no profile (no trace on this backend)
 };
 

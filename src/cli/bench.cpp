@@ -108,11 +108,12 @@ void bench(const BenchOptions& o) {
       }
   }
   for (auto& r : results) {
-    if (r.test[0] != 't' || !o.profile) continue;
+    if (!o.profile) continue;
+    const std::string what = r.test[0] == 't' ? "Decode step" : fmt::format("Prefill of {} tokens", r.test.substr(2));
     if (r.profile.steps == 0)
-      fmt::print("\nno profile at depth {}: {}\n", r.depth, r.profile_error);
+      fmt::print("\nno profile ({}) at depth {}: {}\n", what, r.depth, r.profile_error);
     else
-      fmt::print("\n### Decode step at depth {}\n\n{}", r.depth, format_profile(r.profile));
+      fmt::print("\n### {} at depth {}\n\n{}", what, r.depth, format_profile(r.profile));
   }
   for (auto& b : batched) {
     if (!o.profile) continue;
@@ -148,7 +149,7 @@ void bench(const BenchOptions& o) {
     }
     for (auto& r : results)
       for (const ProfileRow& row : r.profile.kernels)
-        j["profile"].push_back({{"depth", r.depth}, {"kernel", row.name}, {"category", row.category},
+        j["profile"].push_back({{"test", r.test}, {"depth", r.depth}, {"kernel", row.name}, {"category", row.category},
                                 {"calls_per_step", row.calls_per_step}, {"us_per_step", row.us_per_step}});
     std::ofstream(o.json_path) << j.dump(2) << '\n';
   }
@@ -183,7 +184,8 @@ void add_bench_command(CLI::App& app, int argc, char** argv) {
                   "Also decode batches of these many sequences at each depth (e.g. 1,8,32,64): aggregate tok/s of "
                   "the engine's batched steps");
   cmd->add_flag("--profile", o->profile,
-                "After each decode test, trace 16 more steps on the device and print where a step's time goes");
+                "After each decode test, trace 16 more steps on the device and print where a step's time goes; "
+                "after each prefill test, the same for one more prefill");
   cmd->callback([o] { bench(*o); });
 }
 

@@ -1,8 +1,9 @@
 // Causal prefill attention on the tensor cores, FlashAttention-2 style (launcher:
 // backend/cuda/flash_attention.cu). Semantics of CpuBackend::attention: q [m, n_head, HD] f32,
 // the paged K/V cache (backend/kv_pages.h, rows [n_head_kv, HD] of T = f32, f16 or FP8 E4M3), token t
-// attends sequence positions 0..positions[t], q head h reads kv head h / group, out [m, n_head,
-// HD] f32.
+// attends sequence positions 0..positions[t] (with a sliding window, only the last `window` of
+// them), q head h reads kv head h / group, an optional sink logit per q head joins each softmax's
+// denominator (gpt-oss), out [m, n_head, HD] f32.
 //
 // Block = 8 warps = 128 mma rows that all read one kv head: row r is (token r / group, q head
 // r % group of the kv head's group), tokens blockIdx.x · (128 / group) onwards. Packing the GQA
@@ -12,14 +13,16 @@
 // positions is 4 accumulator n-tiles (16 registers), O is 16 x HD f32 (HD / 2 = 64 registers for
 // HD = 128), Q stays in registers as f16 A fragments (HD / 4 = 32 registers).
 //
-// Loop over K/V tiles up to the block's causal limit (max position of its rows + 1, computed on
-// the device; positions need not be ascending for correctness). Each thread loads its share of
+// Loop over K/V tiles from the block's first window position (0 without a window) up to its causal
+// limit (max position of its rows + 1), both computed on the device; positions need not be
+// ascending for correctness. Positions outside [first, limit) load as zeros: with a window, the
+// older rows of a ring cache (runtime/kv_cache.h) may already hold newer positions. Each thread loads its share of
 // tile i + 1 into registers (4 elements per load, in flight while tile i is computed: f32 K/V
 // must be converted for the mma anyway) and stores it as f16 into the
 // other of two shared stages (2 x (K + V) x 32 x HD x 2 B = 32 KB for HD = 128: no opt-in, one
 // __syncthreads per tile; the stage written at tile i + 1 was last read at tile i - 1, before the
 // barrier of tile i). A warp whose rows are all before the tile skips its math (causal
-// diagonal). Shared rows are HD f16 = HD / 8 16-byte units, unit u of row r stored at u ^ (r % 8),
+// diagonal), and so does one whose rows' windows all start after it. Shared rows are HD f16 = HD / 8 16-byte units, unit u of row r stored at u ^ (r % 8),
 // so the 8 row addresses of each ldmatrix phase hit distinct banks.
 //
 // Online softmax in registers: the thread of lane l holds rows l / 4 and l / 4 + 8 of its warp
@@ -28,11 +31,14 @@
 // with exp2. P (f16) is the A operand of P·V straight from the S accumulator layout (the C
 // fragment of n-tiles 2kk, 2kk+1 is the A fragment of k-step kk); V's B fragments come from
 // ldmatrix.trans of the position-major tile. Rows past m (or past 128 / group tokens) get
-// position -1: everything masked, nothing stored.
+// position -1: everything masked, nothing stored. The sink enters at the end, as the decode
+// kernels' with_sink: out = O · 2^(m - m') / (l · 2^(m - m') + 2^(sink - m')), m' = max(m, sink),
+// all in the scaled log2 units of the scores.
 #pragma once
 
 #include <cuda_fp16.h>
 
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 
@@ -53,7 +59,7 @@ struct FlashTile {
   static constexpr int kUnits = HD / 8;                       // 16-byte units per f16 row
   static constexpr int kTileBytes = kFlashBN * HD * 2;        // one f16 K (or V) tile
   static constexpr int kStageBytes = 2 * kTileBytes;          // K then V
-  static constexpr int kSmemBytes = 2 * kStageBytes + 64;     // two stages + the warps' maxima
+  static constexpr int kSmemBytes = 2 * kStageBytes + 64;     // two stages + the warps' maxima and minima
   static constexpr int kLoads = kFlashBN * HD / 4 / kFlashThreads;  // 4-element loads of K (and of V) per thread
   static_assert(kLoads * 4 * kFlashThreads == kFlashBN * HD);
 };
@@ -71,18 +77,19 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
                                    const T* __restrict__ v, const int32_t* __restrict__ block_table,
                                    int block_size_log2, float* __restrict__ out,
                                    const int32_t* __restrict__ positions, int m, int n_head, int n_head_kv,
-                                   int group, float scale_log2) {
+                                   int group, float scale_log2, const float* __restrict__ sinks, int window) {
   using Tile = FlashTile<HD>;
   constexpr float kInf = __builtin_huge_valf();
   uint8_t* smem = dynamic_smem();
   int* warp_max = reinterpret_cast<int*>(smem + 2 * Tile::kStageBytes);
+  int* warp_min = warp_max + kFlashWarps;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, t4 = lane % 4;
   const int tokens = kFlashRows / group;
   const int kv = int(blockIdx.y);
   const int64_t t_base = int64_t(blockIdx.x) * tokens;
 
-  // This thread's two rows: g and g + 8 of the warp tile.
-  int row_pos[2];
+  // This thread's two rows: g and g + 8 of the warp tile; row_lo: the first position each sees.
+  int row_pos[2], row_lo[2], row_head[2];
   const float* qrow[2];
   float* orow[2];
 #pragma unroll
@@ -92,14 +99,19 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
     const bool valid = tl < tokens && t < m;
     const int64_t off = (t * n_head + int64_t(kv) * group + hg) * HD;
     row_pos[h] = valid ? positions[t] : -1;
+    row_lo[h] = valid && window > 0 ? max(0, row_pos[h] - window + 1) : valid ? 0 : INT_MAX;
+    row_head[h] = kv * group + hg;
     qrow[h] = valid ? q + off : nullptr;
     orow[h] = valid ? out + off : nullptr;
   }
-  // Causal limits: the warp's (uniform, for skipping math) and the block's (tiles to stage).
-  int wmax = max(row_pos[0], row_pos[1]);
+  // Causal and window limits: the warp's (uniform, for skipping math) and the block's (tiles to stage).
+  int wmax = max(row_pos[0], row_pos[1]), wmin = min(row_lo[0], row_lo[1]);
 #pragma unroll
-  for (int o = 1; o < 32; o *= 2) wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
-  if (lane == 0) warp_max[warp] = wmax;
+  for (int o = 1; o < 32; o *= 2) {
+    wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
+    wmin = min(wmin, __shfl_xor_sync(0xffffffffu, wmin, o));
+  }
+  if (lane == 0) warp_max[warp] = wmax, warp_min[warp] = wmin;
 
   // Q as f16 A fragments: a[r] = Q[row g + 8(r % 2)][16s + 8(r / 2) + 2·t4 + e].
   uint32_t qf[HD / 16][4];
@@ -113,11 +125,12 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
       qf[s][r] = pack_f16x2(x.x, x.y);
     }
   __syncthreads();
-  int block_max = warp_max[0];
+  int block_max = warp_max[0], block_min = warp_min[0];
 #pragma unroll
-  for (int w = 1; w < kFlashWarps; ++w) block_max = max(block_max, warp_max[w]);
-  const int n_ctx = block_max + 1;  // cache rows the block reads; later rows are zero-filled
-  const int n_tiles = (n_ctx + kFlashBN - 1) / kFlashBN;
+  for (int w = 1; w < kFlashWarps; ++w) block_max = max(block_max, warp_max[w]), block_min = min(block_min, warp_min[w]);
+  // Cache rows the block reads: [lo_ctx, n_ctx); other rows of its tiles are zero-filled.
+  const int n_ctx = block_max + 1, lo_ctx = block_min < n_ctx ? block_min : 0;
+  const int first_tile = lo_ctx / kFlashBN, n_tiles = (n_ctx + kFlashBN - 1) / kFlashBN;
 
   // Four consecutive elements of a row per load, kept as loaded and converted to f16 only when
   // stored to shared memory (the next iteration): an E4M3 or f32 conversion on arrival would wait
@@ -138,7 +151,7 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
 #pragma unroll
     for (int c = 0; c < Tile::kLoads; ++c) {
       const int f = int(threadIdx.x) + c * kFlashThreads, row = f / (HD / 4), c4 = f % (HD / 4), j = n0 + row;
-      if (j < n_ctx) {
+      if (j >= lo_ctx && j < n_ctx) {
         const int64_t off = (kv_pool_row(block_table, block_size_log2, j) * n_head_kv + kv) * HD + 4 * c4;
         pre_k[c] = load4(k + off);
         pre_v[c] = load4(v + off);
@@ -169,13 +182,14 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
   const int k_row = lane / 16 * 8 + lane % 8, k_half = lane / 8 % 2;
   const int v_row = lane / 8 % 2 * 8 + lane % 8, v_half = lane / 16;
 
-  if (n_tiles > 0) load_tile(0);
-  for (int it = 0; it < n_tiles; ++it) {
-    const int stage = it & 1, n0 = it * kFlashBN;
+  if (first_tile < n_tiles) load_tile(first_tile * kFlashBN);
+  for (int it = first_tile; it < n_tiles; ++it) {
+    const int stage = (it - first_tile) & 1, n0 = it * kFlashBN;
     store_tile(stage);
     __syncthreads();
     if (it + 1 < n_tiles) load_tile(n0 + kFlashBN);
-    if (n0 > wmax) continue;  // every row of this warp is before the tile (warp-uniform)
+    // Every row of this warp is before the tile, or its window starts after it (warp-uniform).
+    if (n0 > wmax || n0 + kFlashBN <= wmin) continue;
 
     const uint32_t kbase = smem_addr(smem + stage * Tile::kStageBytes), vbase = kbase + Tile::kTileBytes;
     float s[kFlashBN / 8][4];
@@ -191,14 +205,14 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
         mma_f16(s[2 * np + 1], qf[ks], b[2], b[3]);
       }
 
-    // Mask (position j > the row's position), scale, online softmax.
+    // Mask (position j after the row's position or before its window), scale, online softmax.
     float mx[2] = {-kInf, -kInf};
 #pragma unroll
     for (int nt = 0; nt < kFlashBN / 8; ++nt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int j = n0 + 8 * nt + 2 * t4 + c % 2;
-        const float x = j <= row_pos[c / 2] ? s[nt][c] * scale_log2 : -kInf;
+        const float x = j <= row_pos[c / 2] && j >= row_lo[c / 2] ? s[nt][c] * scale_log2 : -kInf;
         s[nt][c] = x;
         mx[c / 2] = fmaxf(mx[c / 2], x);
       }
@@ -220,12 +234,19 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
     }
   }
 
-  // O / l (l summed over the quad); rows of position >= 0 always have l >= 1.
+  // O / l (l summed over the quad); rows of position >= 0 always have l >= 1. With a sink, the
+  // denominator's extra term (see the top).
   float inv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float l = quad_sum(row_l[h]);
-    inv[h] = l > 0.f ? 1.f / l : 0.f;
+    if (sinks && orow[h]) {
+      const float sink = sinks[row_head[h]] * 1.4426950408889634f, m2 = fmaxf(row_m[h], sink);
+      const float a = exp2f(row_m[h] - m2);
+      inv[h] = a / (l * a + exp2f(sink - m2));
+    } else {
+      inv[h] = l > 0.f ? 1.f / l : 0.f;
+    }
   }
 #pragma unroll
   for (int d = 0; d < HD / 8; ++d) {

@@ -34,25 +34,11 @@
 #include "kernels/gemm_layout.h"
 #include "kernels/gemv.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/mxfp4.cuh"
 #include "kernels/pdl.cuh"
 #include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
-
-struct Mxfp4Weight {  // decode layout
-  const uint8_t* codes;
-  const uint8_t* scales;
-};
-
-// The decode layout's scale bytes are E8M0 + 14, saturated at 255 (made at upload): a byte moved to
-// bits 23..30 is then the f32 2^(e - 127 + 14) that the codes' value · 2^-14 needs (an E8M0 of 241
-// and above gives infinity; 255 is NaN in the format). Byte b of a group's scale word in two
-// operations instead of five.
-__host__ __device__ constexpr uint8_t mxfp4_decode_scale(uint8_t e8m0) { return uint8_t(e8m0 > 241 ? 255 : e8m0 + 14); }
-// (b: a constant once the callers' loops unroll.)
-__device__ __forceinline__ float mxfp4_group_scale(uint32_t word, int b) {
-  return __uint_as_float((b == 3 ? word >> 1 : word << (23 - 8 * b)) & 0x7F800000u);
-}
 
 // Rows g and g + 8 of a tile, one group, as thread t of its quad holds them.
 struct Mxfp4Group {

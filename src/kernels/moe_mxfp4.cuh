@@ -16,13 +16,6 @@
 
 namespace nibble::kernels {
 
-// One expert's matrix in device memory, decode layout; bias [n] (or null).
-struct Mxfp4Device {
-  const uint8_t* codes;
-  const uint8_t* scales;
-  const float* bias;
-};
-
 // Shared memory of the gate/up kernel: the staged row, then a copy of the expert table.
 __host__ __device__ constexpr int64_t moe_mxfp4_table_offset(int64_t hidden) {
   return (mxfp4_x_bytes(1, hidden) + 15) / 16 * 16;

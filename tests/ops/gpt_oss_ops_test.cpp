@@ -167,13 +167,17 @@ TEST_F(GptOssOpsTest, AttentionSinksAndWindows) {
 }
 
 // A small block at three token counts, and gpt-oss's own sizes (2880 x 2880: several batches of
-// groups per warp in both decode kernels) at decode token counts.
+// groups per warp in both decode kernels, a last partial group of 128 k) at decode and prefill
+// token counts. Prefill (m > 8) runs the grouped GEMMs: 160 x 96 (partial groups on both sides,
+// features not a multiple of a block's) with 300 tokens over 8 experts (several row tiles an
+// expert, partial last tiles) and 33 tokens over 32 (experts with no rows or one).
 TEST_F(GptOssOpsTest, MoeBlock) {
   struct Case {
     int64_t H, inter, E, m;
   };
   for (auto [H, inter, E, m] : {Case{256, 128, 8, 1}, Case{256, 128, 8, 5}, Case{256, 128, 8, 40},
-                                Case{2880, 2880, 6, 1}, Case{2880, 2880, 6, 3}}) {
+                                Case{160, 96, 8, 300}, Case{256, 128, 32, 33}, Case{2880, 2880, 6, 1},
+                                Case{2880, 2880, 6, 3}, Case{2880, 2880, 6, 50}}) {
     MoeWeights host, dev;
     for (MoeWeights* w : {&host, &dev}) {
       w->top_k = 4;

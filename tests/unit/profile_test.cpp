@@ -20,6 +20,10 @@ TEST(Profile, KernelNames) {
   EXPECT_EQ(kernel_category("moe_gate_up_int4_kernel"), "experts (INT4)");
   EXPECT_EQ(kernel_category("moe_router_kernel"), "router + routing");
   EXPECT_EQ(kernel_category("attention_split_gqa_kernel"), "attention");
+  EXPECT_EQ(kernel_category("moe_mxfp4_down_kernel"), "experts (MXFP4)");
+  EXPECT_EQ(kernel_category("gemv_mxfp4_mma_kernel"), "projections (MXFP4)");
+  EXPECT_EQ(kernel_category("moe_group_scan_kernel"), "expert grouping + combine");
+  EXPECT_EQ(kernel_category("flash_attention_prefill_kernel"), "attention");
 }
 
 TEST(Profile, CriticalPathAttribution) {

@@ -459,11 +459,11 @@ class CudaBackend final : public Backend {
       Buffer partial(*this, size_t(cuda::attention_partial_floats(m, max_context, n_head, head_dim)) * 4);
       cuda::attention_decode(q, kv, partial.data(), out, counters, m, positions, max_context, n_head, n_head_kv,
                              head_dim, scale, sinks, window);
-    } else if (m > cuda::kGemvMaxM && !sinks && window == 0 &&
-               cuda::flash_attention(q, kv, out, m, positions, n_head, n_head_kv, head_dim, scale)) {
+    } else if (m > cuda::kGemvMaxM && cuda::flash_attention(q, kv, out, m, positions, n_head, n_head_kv, head_dim,
+                                                              scale, sinks, window)) {
       // Prefill on the tensor cores (head_dim 64/128, GQA group <= 8, 16-byte-aligned pointers):
-      // each staged K/V tile serves a block's 128 (token, q head) rows. f16 operands, f32 sums.
-      // Not with gpt-oss's sinks or windows yet: those take the decode kernel below.
+      // each staged K/V tile serves a block's 128 (token, q head) rows. f16 operands, f32 sums;
+      // gpt-oss's sinks and sliding windows included (a window's block stages only its tiles).
     } else if (const int64_t chunk = std::min<int64_t>(256, cuda::kAttentionMaxPairs / n_head_kv);
                m > cuda::kGemvMaxM && chunk >= 1 &&
                cuda::attention_decode_supports(chunk, n_head, n_head_kv, head_dim, kv.dtype)) {
@@ -516,6 +516,16 @@ class CudaBackend final : public Backend {
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
     linear(w.router, x, m, logits.data());
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
+    if (const Mxfp4Tables* tables = mxfp4_tables(w); tables && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+      // gpt-oss prefill: the same device-side grouping, grouped MXFP4 GEMMs (SwiGLU in the
+      // gate/up epilogue); no host round trip, no BF16 copies of the experts.
+      Buffer scratch(*this, size_t(cuda::moe_prefill_scratch_bytes(m, K, E, tables->inter, H)));
+      cuda::moe_prefill_mxfp4(tables->gate_up.data<cuda::Mxfp4Device>(), tables->down.data<cuda::Mxfp4Device>(),
+                              ids.data<int32_t>(), weights.data(), x, out, m, K, E, tables->inter, H, w.swiglu_alpha,
+                              w.swiglu_limit, scratch.data());
+      CUDA_CHECK_LAUNCH("moe_prefill_mxfp4");
+      return;
+    }
     if (const ExpertTables* tables = plain_moe(w) ? expert_tables(w) : nullptr;
         tables && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
       // Prefill: the pairs are grouped by expert on the device and run as grouped tensor-core GEMMs;
@@ -528,7 +538,7 @@ class CudaBackend final : public Backend {
       CUDA_CHECK_LAUNCH("moe_prefill_int4");
       return;
     }
-    // Experts that are not interleaved INT4 (BF16, row-major INT4): per expert, through the host.
+    // Other experts (BF16, row-major INT4, MXFP4 at an unaligned x): per expert, through the host.
     if (capturing_) {  // the grouped path reads the routing back to the host: not recordable
       capture_failed_ = true;
       return;
@@ -696,7 +706,8 @@ class CudaBackend final : public Backend {
 
   // MXFP4 with prefill shapes: dequantised to BF16 (exactly) into scratch, then the dense
   // tensor-core GEMM. Writing and reading the BF16 copy costs 4x the weight's own bytes, a small
-  // part of a prefill's time; the experts of gpt-oss run through here per expert.
+  // part of a prefill's time (gpt-oss's q/k/v, o and lm_head when quantized at load; its experts
+  // take the grouped MXFP4 GEMMs of moe()).
   bool mxfp4_gemm(const LinearWeight& w, const float* x, int64_t m, float* out) {
     if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || !cuda::gemm_dense_supports(cuda::Dense::kBF16, w.k)) return false;
     Buffer dense(*this, size_t(w.n * w.k) * 2);

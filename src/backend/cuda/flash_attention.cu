@@ -10,7 +10,8 @@
 namespace nibble::cuda {
 
 bool flash_attention(const float* q, const KvPages& kv, float* out, int64_t m, const int32_t* positions,
-                     int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale) {
+                     int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, const float* sinks,
+                     int64_t window) {
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   // One sequence per launch: a tile's queries share the K/V tiles they stage (several sequences
   // in a step run their prompt chunks one launch each).
@@ -26,7 +27,8 @@ bool flash_attention(const float* q, const KvPages& kv, float* out, int64_t m, c
     using T = decltype(element);
     kernel<<<grid, kernels::kFlashThreads, smem>>>(q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v),
                                                     kv.block_table, kv.block_size_log2, out, positions, int(m),
-                                                    int(n_head), int(n_head_kv), group, scale_log2);
+                                                    int(n_head), int(n_head_kv), group, scale_log2,
+                                                    sinks, int(window));
   };
   kernels::with_kv_element(kv.dtype, [&](auto element) {
     using T = decltype(element);

@@ -3,6 +3,7 @@
 // modes: plain, MoE gate/up, MoE down) and two dense tiles.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <type_traits>
 
 #include "backend/cuda/gemm.h"
@@ -10,6 +11,7 @@
 #include "backend/cuda/smem_optin.cuh"
 #include "kernels/gemm_dense.cuh"
 #include "kernels/gemm_int4.cuh"
+#include "kernels/moe_mxfp4_prefill.cuh"
 #include "kernels/moe_prefill.cuh"
 
 namespace nibble::cuda {
@@ -117,8 +119,9 @@ struct MoeScratch {
   int32_t* n_tiles;       // [1]
   int32_t* sorted_token;  // [pairs]
   int32_t* pair_row;      // [pairs]
-  float* act;             // [pairs][inter]
+  float* act;             // [pairs][inter] (MXFP4: f16)
   float* down;            // [pairs][hidden]
+  __half* staged;         // MXFP4: [m][hidden] f16, the gate/up GEMM's input
   int64_t bytes;
 };
 MoeScratch carve_moe_scratch(void* base, int64_t m, int64_t top_k, int64_t n_experts, int64_t inter,
@@ -139,6 +142,7 @@ MoeScratch carve_moe_scratch(void* base, int64_t m, int64_t top_k, int64_t n_exp
   take(s.pair_row, pairs * 4);
   take(s.act, pairs * inter * 4);
   take(s.down, pairs * hidden * 4);
+  take(s.staged, m * hidden * 2);
   s.bytes = offset;
   return s;
 }
@@ -179,21 +183,104 @@ int64_t moe_prefill_scratch_bytes(int64_t m, int64_t top_k, int64_t n_experts, i
   return carve_moe_scratch(nullptr, m, top_k, n_experts, inter, hidden).bytes;
 }
 
-void moe_prefill_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down, const int32_t* ids,
-                      const float* weights, const float* x, float* out, int64_t m, int64_t top_k, int64_t n_experts,
-                      int64_t inter, int64_t hidden, void* scratch) {
-  const MoeScratch s = carve_moe_scratch(scratch, m, top_k, n_experts, inter, hidden);
+namespace {
+
+// Groups the (token, slot) pairs by expert into tiles of bm sorted rows (kernels/moe_prefill.cuh).
+void group_pairs(const MoeScratch& s, const int32_t* ids, int64_t m, int64_t top_k, int64_t n_experts, int bm) {
   const int64_t pairs = m * top_k, words = ceil_div(m, 32);
   constexpr int kThreads = 256;
   const unsigned pair_blocks = unsigned(ceil_div(pairs, kThreads));
   cudaMemsetAsync(s.mask, 0, size_t(words * n_experts) * 4);
   kernels::moe_group_mark_kernel<<<pair_blocks, kThreads>>>(ids, pairs, top_k, n_experts, s.mask);
+  kernels::moe_group_scan_kernel<<<1, kernels::kMoeGroupThreads>>>(s.mask, words, n_experts, bm, s.prefix, s.offsets,
+                                                                    s.tiles, s.n_tiles);
+  kernels::moe_group_place_kernel<<<pair_blocks, kThreads>>>(ids, pairs, top_k, n_experts, s.mask, s.prefix,
+                                                             s.offsets, s.sorted_token, s.pair_row);
+}
+
+void combine(const MoeScratch& s, const float* weights, int64_t m, int64_t top_k, int64_t hidden, float* out) {
+  constexpr int kThreads = 256;
+  kernels::moe_combine_kernel<<<unsigned(ceil_div(m * hidden / 4, kThreads)), kThreads>>>(
+      s.down, s.pair_row, weights, m, top_k, hidden, out);
+}
+
+// MXFP4 MoE tiles (kernels/moe_mxfp4_prefill.cuh): warps, weight tiles a warp, 8-row n-tiles,
+// stages. 4 warps x 3 tiles: gate/up blocks of 96 features and down blocks of 192, both dividing
+// gpt-oss's 2880. NIBBLE_MXFP4_PREFILL_TILE=b|c selects the others for A/B runs.
+using Mxfp4MoeA = kernels::Mxfp4MoeTile<false, 4, 3, 4, 4>;  // 32 rows a tile, 4 stages (93 KB)
+using Mxfp4MoeB = kernels::Mxfp4MoeTile<false, 4, 3, 4, 3>;  // 3 stages (70 KB: 3 blocks an SM)
+using Mxfp4MoeC = kernels::Mxfp4MoeTile<false, 4, 3, 8, 3>;  // 64 rows a tile
+
+template <class Down>
+using GateUpOf = kernels::Mxfp4MoeTile<true, Down::kWarps, Down::kMT, Down::kNT, Down::kStages>;
+
+template <class Tile>
+void launch_mxfp4_moe(const kernels::Mxfp4MoeGemmParams& p, int64_t max_tiles) {
+  auto kernel = kernels::gemm_mxfp4_moe_kernel<Tile>;
+  allow_smem(kernel, size_t(Tile::kSmemBytes));
+  const dim3 grid(unsigned(max_tiles), unsigned(ceil_div(p.n, Tile::kFeatures)));
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes>>>(p);
+}
+
+template <class Down>
+void moe_mxfp4_gemms(const MoeScratch& s, const Mxfp4Device* gate_up, const Mxfp4Device* down, const int32_t* ids,
+                     const float* x, int64_t m, int64_t top_k, int64_t n_experts, int64_t inter, int64_t hidden,
+                     float alpha, float limit) {
+  using GateUp = GateUpOf<Down>;
+  const int64_t pairs = m * top_k, max_tiles = ceil_div(pairs, Down::kBN) + n_experts;
+  group_pairs(s, ids, m, top_k, n_experts, Down::kBN);
+  constexpr int kThreads = 256;
+  kernels::mxfp4_stage_rows_kernel<<<unsigned(ceil_div(m * hidden / 8, kThreads)), kThreads>>>(x, m, hidden,
+                                                                                              s.staged);
+  kernels::Mxfp4MoeGemmParams p{};
+  p.tiles = s.tiles;
+  p.n_tiles = s.n_tiles;
+  p.offsets = s.offsets;
+  p.sorted_token = s.sorted_token;
+  p.alpha = alpha;
+  p.limit = limit;
+  // gate/up: staged x[token] -> act[sorted row] (f16, staged order)
+  p.x = s.staged;
+  p.experts = reinterpret_cast<const kernels::Mxfp4Device*>(gate_up);
+  p.n = inter;
+  p.k = hidden;
+  p.act = reinterpret_cast<__half*>(s.act);
+  launch_mxfp4_moe<GateUp>(p, max_tiles);
+  // down: act[sorted row] -> down[sorted row]
+  p.x = reinterpret_cast<const __half*>(s.act);
+  p.experts = reinterpret_cast<const kernels::Mxfp4Device*>(down);
+  p.n = hidden;
+  p.k = inter;
+  p.y = s.down;
+  launch_mxfp4_moe<Down>(p, max_tiles);
+}
+
+}  // namespace
+
+void moe_prefill_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, const int32_t* ids, const float* weights,
+                       const float* x, float* out, int64_t m, int64_t top_k, int64_t n_experts, int64_t inter,
+                       int64_t hidden, float alpha, float limit, void* scratch) {
+  static_assert(sizeof(Mxfp4Device) == sizeof(kernels::Mxfp4Device));
+  const MoeScratch s = carve_moe_scratch(scratch, m, top_k, n_experts, inter, hidden);
+  static const char* variant = std::getenv("NIBBLE_MXFP4_PREFILL_TILE");
+  const char v = variant ? variant[0] : 'a';
+  if (v == 'b')
+    moe_mxfp4_gemms<Mxfp4MoeB>(s, gate_up, down, ids, x, m, top_k, n_experts, inter, hidden, alpha, limit);
+  else if (v == 'c')
+    moe_mxfp4_gemms<Mxfp4MoeC>(s, gate_up, down, ids, x, m, top_k, n_experts, inter, hidden, alpha, limit);
+  else
+    moe_mxfp4_gemms<Mxfp4MoeA>(s, gate_up, down, ids, x, m, top_k, n_experts, inter, hidden, alpha, limit);
+  combine(s, weights, m, top_k, hidden, out);
+}
+
+void moe_prefill_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down, const int32_t* ids,
+                      const float* weights, const float* x, float* out, int64_t m, int64_t top_k, int64_t n_experts,
+                      int64_t inter, int64_t hidden, void* scratch) {
+  const MoeScratch s = carve_moe_scratch(scratch, m, top_k, n_experts, inter, hidden);
+  const int64_t pairs = m * top_k;
   dispatch_moe_tile(pairs, n_experts, [&](auto tile) {
     using Tile = decltype(tile);
-    kernels::moe_group_scan_kernel<<<1, kernels::kMoeGroupThreads>>>(s.mask, words, n_experts, Tile::kBM, s.prefix,
-                                                                      s.offsets, s.tiles, s.n_tiles);
-    kernels::moe_group_place_kernel<<<pair_blocks, kThreads>>>(ids, pairs, top_k, n_experts, s.mask, s.prefix,
-                                                               s.offsets, s.sorted_token, s.pair_row);
+    group_pairs(s, ids, m, top_k, n_experts, Tile::kBM);
     kernels::GemmInt4Params p{};
     p.tiles = s.tiles;
     p.n_tiles = s.n_tiles;
@@ -218,8 +305,7 @@ void moe_prefill_int4(const Int4Device* gate, const Int4Device* up, const Int4De
     p.expert_b = nullptr;
     launch_int4<Tile, GemmInt4Mode::kMoeDown>(p, max_tiles);
   });
-  kernels::moe_combine_kernel<<<unsigned(ceil_div(m * hidden / 4, kThreads)), kThreads>>>(
-      s.down, s.pair_row, weights, m, top_k, hidden, out);
+  combine(s, weights, m, top_k, hidden, out);
 }
 
 }  // namespace nibble::cuda

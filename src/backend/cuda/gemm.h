@@ -31,4 +31,13 @@ void moe_prefill_int4(const Int4Device* gate, const Int4Device* up, const Int4De
                       const float* weights, const float* x, float* out, int64_t m, int64_t top_k, int64_t n_experts,
                       int64_t inter, int64_t hidden, void* scratch);
 
+// gpt-oss's MoE for any number of tokens, the same way over MXFP4 experts (device arrays of
+// n_experts Mxfp4Device in the decode layout; gate_up [2·inter, hidden] rows interleaved gate_j,
+// up_j; biases; the clamped SwiGLU with alpha and limit): x and the activations rounded to f16,
+// products in f32 (kernels/moe_mxfp4_prefill.cuh). hidden, inter % 32 == 0; x 16-byte aligned.
+// scratch: moe_prefill_scratch_bytes(...) bytes.
+void moe_prefill_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, const int32_t* ids, const float* weights,
+                       const float* x, float* out, int64_t m, int64_t top_k, int64_t n_experts, int64_t inter,
+                       int64_t hidden, float alpha, float limit, void* scratch);
+
 }  // namespace nibble::cuda
