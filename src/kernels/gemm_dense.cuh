@@ -196,4 +196,19 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks)
     }
 }
 
+// x f32 -> the split's two 16-bit halves (hi = T(x), lo = T(x - hi)) as separate arrays, for a
+// library GEMM run once on each (backend/cuda/cublaslt.h). One thread per 4 values (count % 4 == 0).
+template <typename T>
+__global__ void split_16bit_kernel(const float* __restrict__ x, int64_t count, uint2* __restrict__ hi,
+                                   uint2* __restrict__ lo) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count / 4) return;
+  const float4 v = reinterpret_cast<const float4*>(x)[i];
+  uint2 h, l;
+  SplitMma<T>::split(v.x, v.y, h.x, l.x);
+  SplitMma<T>::split(v.z, v.w, h.y, l.y);
+  hi[i] = h;
+  lo[i] = l;
+}
+
 }  // namespace nibble::kernels

@@ -62,10 +62,10 @@ struct Mxfp4MoeGemmParams {
   float alpha, limit;           // gate/up: the clamped SwiGLU
 };
 
-template <bool kGateUp_, int WARPS, int MT, int NT, int STAGES>
+template <bool kGateUp_, int WARPS, int MT, int NT, int STAGES, int MIN_BLOCKS>
 struct Mxfp4MoeTile {
   static constexpr bool kGateUp = kGateUp_;
-  static constexpr int kWarps = WARPS, kMT = MT, kNT = NT, kStages = STAGES;
+  static constexpr int kWarps = WARPS, kMT = MT, kNT = NT, kStages = STAGES, kMinBlocks = MIN_BLOCKS;
   static constexpr int kThreads = 32 * WARPS;
   static constexpr int kRows = 16 * WARPS * MT;           // A rows a block
   static constexpr int kFeatures = kGateUp ? kRows / 2 : kRows;  // outputs a block
@@ -77,7 +77,7 @@ struct Mxfp4MoeTile {
 };
 
 template <class Tile>
-__global__ void __launch_bounds__(Tile::kThreads) gemm_mxfp4_moe_kernel(Mxfp4MoeGemmParams p) {
+__global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks) gemm_mxfp4_moe_kernel(Mxfp4MoeGemmParams p) {
   constexpr int MT = Tile::kMT, NT = Tile::kNT, BN = Tile::kBN, R = Tile::kRows, STAGES = Tile::kStages;
   constexpr bool kGateUp = Tile::kGateUp;
   if (int(blockIdx.x) >= *p.n_tiles) return;  // the grid is sized for the worst case

@@ -126,6 +126,30 @@ TEST_F(OpsTest, Linear) {
   }
 }
 
+// Prefill-sized 16-bit linears (more than 64 rows) go to cuBLASLt with x split into two 16-bit
+// halves (backend/cuda/cublaslt.h): near-f32, the exact kernel's tolerance, with and without a
+// bias, with shapes that are not multiples of any tile. Where the library is missing the exact
+// kernel runs and the test still holds.
+TEST_F(OpsTest, LinearDensePrefillRows) {
+  for (WeightFormat format : {WeightFormat::kBF16, WeightFormat::kF16})
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{5120, 2880}, {200, 328}, {1000, 4096}})
+      for (int64_t m : {65, 300}) {
+        const bool bias = m == 65;
+        LinearWeight host = random_weight(format, n, k, 0, bias);
+        LinearWeight dev = gpu_->upload(host);
+        auto x = random(m * k);
+        std::vector<float> want(size_t(m * n));
+        cpu_->linear(host, x.data(), m, want.data());
+        float* out = poisoned_gpu(m * n);
+        gpu_->linear(dev, on_gpu(x), m, out);
+        expect_close(to_host(out, m * n), want,
+                     fmt::format("linear {} m={} n={} k={}{}", format == WeightFormat::kBF16 ? "bf16" : "f16", m, n,
+                                 k, bias ? " bias" : ""),
+                     kTolerance);
+        release_buffers();
+      }
+}
+
 // An lm_head-sized 16-bit weight (2^27 elements and up) with 4-8 rows takes the tensor-core GEMM
 // instead of the GEMV (CudaBackend::dense_gemm_first), through linear and the fused norm form.
 TEST_F(OpsTest, LargeDenseWeightFewRows) {

@@ -24,6 +24,7 @@ TEST(Profile, KernelNames) {
   EXPECT_EQ(kernel_category("gemv_mxfp4_mma_kernel"), "projections (MXFP4)");
   EXPECT_EQ(kernel_category("moe_group_scan_kernel"), "expert grouping + combine");
   EXPECT_EQ(kernel_category("flash_attention_prefill_kernel"), "attention");
+  EXPECT_EQ(kernel_category("nvjet_sm90_tss_192x128_64x5_1x4_h_bz_coopB_bias_TNT"), "dense GEMM (cuBLASLt)");
 }
 
 TEST(Profile, CriticalPathAttribution) {

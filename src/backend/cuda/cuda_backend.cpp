@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/cublaslt.h"
 #include "backend/cuda/flash_attention.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/int4_layout.h"
@@ -351,12 +352,15 @@ class CudaBackend final : public Backend {
 
   // Prefill shapes (m > 8) on the tensor-core GEMMs where the weight qualifies; decode layouts on
   // the GEMV kernels, 8 activation rows per launch; anything else on the exact kernels.
-  void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override {
+  void linear(const LinearWeight& w, const float* x, int64_t m, float* out) override { linear(w, x, m, out, false); }
+  // exact: dense weights stay on our kernels at any m (CudaBackend::gemm): the routers, and the
+  // experts run one by one, whose row counts change with every batch (a library plan per count).
+  void linear(const LinearWeight& w, const float* x, int64_t m, float* out, bool exact) {
     OpProfiler::Scope scope(profiler_, w.n > 100000                      ? "lm_head"
                                        : w.format == WeightFormat::kInt4  ? "linear int4"
                                        : w.format == WeightFormat::kMxfp4 ? "linear mxfp4"
                                                                           : "linear dense");
-    if ((m > cuda::kGemvMaxM || dense_gemm_first(w, m)) && gemm(w, x, m, out)) return;
+    if ((m > cuda::kGemvMaxM || dense_gemm_first(w, m)) && gemm(w, x, m, out, exact)) return;
     if (w.format == WeightFormat::kMxfp4 && m > cuda::kGemvMaxM && mxfp4_gemm(w, x, m, out)) return;
     if (!gemv_layout(w)) {
       if (w.format == WeightFormat::kInt4)
@@ -514,7 +518,7 @@ class CudaBackend final : public Backend {
     }
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
-    linear(w.router, x, m, logits.data());
+    linear(w.router, x, m, logits.data(), /*exact=*/true);
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
     if (const Mxfp4Tables* tables = mxfp4_tables(w); tables && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
       // gpt-oss prefill: the same device-side grouping, grouped MXFP4 GEMMs (SwiGLU in the
@@ -570,18 +574,18 @@ class CudaBackend final : public Backend {
       CUDA_CHECK_LAUNCH("gather_rows");
       if (ex.gate_up.n) {  // gpt-oss: one projection, rows gate_j, up_j interleaved
         Buffer both(*this, size_t(n * 2 * inter) * 4);
-        linear(ex.gate_up, xs.data(), n, both.data());
+        linear(ex.gate_up, xs.data(), n, both.data(), true);
         NIBBLE_CHECK(w.activation == MoeActivation::kClampedSwiglu,
                      "moe: interleaved gate/up needs the clamped SwiGLU");
         cuda::clamped_swiglu_interleaved(both.data(), n, inter, w.swiglu_alpha, w.swiglu_limit, gate.data());
         CUDA_CHECK_LAUNCH("clamped_swiglu_interleaved");
       } else {
         NIBBLE_CHECK(w.activation == MoeActivation::kSiluMul, "moe: the clamped SwiGLU needs interleaved gate/up");
-        linear(ex.gate, xs.data(), n, gate.data());
-        linear(ex.up, xs.data(), n, up.data());
+        linear(ex.gate, xs.data(), n, gate.data(), true);
+        linear(ex.up, xs.data(), n, up.data(), true);
         silu_mul(gate.data(), up.data(), n * inter, gate.data());
       }
-      linear(ex.down, gate.data(), n, result.data());
+      linear(ex.down, gate.data(), n, result.data(), true);
       cuda::scatter_add_weighted(result.data(), dev_rows.data<int32_t>(), dev_w.data(), n, H, out);
       CUDA_CHECK_LAUNCH("scatter_add_weighted");
     }
@@ -753,11 +757,17 @@ class CudaBackend final : public Backend {
 
   // Prefill-shaped linears (m > kGemvMaxM) on the tensor cores: interleaved INT4 (f16 activations)
   // and F16/BF16 (near-f32 split activations). False where the weight or x does not qualify.
-  bool gemm(const LinearWeight& w, const float* x, int64_t m, float* out) {
+  // Dense weights with more than kLibraryGemmMinRows rows go to cuBLASLt with the same split (its
+  // Hopper kernels: gpt-oss-20b's q/k/v and o took 27.6 of a pp2048's 106 ms on ours, H100,
+  // BENCHMARKS.md), except with `exact`: the router, whose logits pick the experts, stays on our
+  // kernel, which also bounds the tensor cores' truncating f32 accumulation (gemm_dense.cuh).
+  static constexpr int64_t kLibraryGemmMinRows = 64;
+  bool gemm(const LinearWeight& w, const float* x, int64_t m, float* out, bool exact = false) {
     if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || w.format == WeightFormat::kMxfp4) return false;
     if (w.format == WeightFormat::kInt4) {
       if (w.int4.layout != Int4Layout::kWarpInterleaved) return false;
       cuda::gemm_int4(int4_device(w), w.bias, x, out, m, w.n, w.k);
+    } else if (!exact && m > kLibraryGemmMinRows && library_gemm(w, x, m, out)) {
     } else if (cuda::gemm_dense_supports(dense_type(w.format), w.k)) {
       cuda::gemm_dense(dense_type(w.format), w.dense, w.bias, x, out, m, w.n, w.k);
     } else {
@@ -765,6 +775,12 @@ class CudaBackend final : public Backend {
     }
     CUDA_CHECK_LAUNCH("gemm");
     return true;
+  }
+
+  bool library_gemm(const LinearWeight& w, const float* x, int64_t m, float* out) {
+    if (w.format == WeightFormat::kF32 || w.k % 8 != 0 || reinterpret_cast<uintptr_t>(w.dense) % 16 != 0) return false;
+    Buffer split(*this, size_t(2 * m * w.k) * 2);  // x's hi and lo halves
+    return cuda::cublaslt_gemm_split(dense_type(w.format), w.dense, w.bias, x, out, m, w.n, w.k, split.data());
   }
 
   static cuda::Int4Device int4_device(const LinearWeight& w) {
@@ -820,7 +836,7 @@ class CudaBackend final : public Backend {
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
     Buffer act(*this, size_t(m * K * tables.inter) * 2);  // f16, staged for the down projection
-    linear(w.router, x, m, logits.data());
+    linear(w.router, x, m, logits.data(), true);
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
     cuda::moe_decode_mxfp4(tables.gate_up.data<cuda::Mxfp4Device>(), tables.down.data<cuda::Mxfp4Device>(), E,
                            ids.data<int32_t>(), weights.data(), x, act.data(), out, accumulate, m, K, tables.inter, H,

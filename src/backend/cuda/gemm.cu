@@ -179,6 +179,16 @@ void gemm_dense(Dense type, const void* w, const float* bias, const float* x, fl
     run(static_cast<const __half*>(w));
 }
 
+void split_16bit(Dense type, const float* x, int64_t count, void* hi, void* lo) {
+  constexpr int kThreads = 256;
+  const unsigned blocks = unsigned(ceil_div(count / 4, kThreads));
+  if (type == Dense::kBF16)
+    kernels::split_16bit_kernel<__nv_bfloat16><<<blocks, kThreads>>>(x, count, static_cast<uint2*>(hi),
+                                                                     static_cast<uint2*>(lo));
+  else
+    kernels::split_16bit_kernel<__half><<<blocks, kThreads>>>(x, count, static_cast<uint2*>(hi), static_cast<uint2*>(lo));
+}
+
 int64_t moe_prefill_scratch_bytes(int64_t m, int64_t top_k, int64_t n_experts, int64_t inter, int64_t hidden) {
   return carve_moe_scratch(nullptr, m, top_k, n_experts, inter, hidden).bytes;
 }
@@ -205,14 +215,17 @@ void combine(const MoeScratch& s, const float* weights, int64_t m, int64_t top_k
 }
 
 // MXFP4 MoE tiles (kernels/moe_mxfp4_prefill.cuh): warps, weight tiles a warp, 8-row n-tiles,
-// stages. 4 warps x 3 tiles: gate/up blocks of 96 features and down blocks of 192, both dividing
-// gpt-oss's 2880. NIBBLE_MXFP4_PREFILL_TILE=b|c selects the others for A/B runs.
-using Mxfp4MoeA = kernels::Mxfp4MoeTile<false, 4, 3, 4, 4>;  // 32 rows a tile, 4 stages (93 KB)
-using Mxfp4MoeB = kernels::Mxfp4MoeTile<false, 4, 3, 4, 3>;  // 3 stages (70 KB: 3 blocks an SM)
-using Mxfp4MoeC = kernels::Mxfp4MoeTile<false, 4, 3, 8, 3>;  // 64 rows a tile
+// stages, minimum blocks an SM (a register cap). 4 warps x 3 tiles: gate/up blocks of 96 features
+// and down blocks of 192, both dividing gpt-oss's 2880. NIBBLE_MXFP4_PREFILL_TILE=b|c|d selects
+// the others for A/B runs.
+using Mxfp4MoeA = kernels::Mxfp4MoeTile<false, 4, 3, 4, 4, 1>;  // 32 rows a tile, 4 stages (93 KB), 186 registers
+using Mxfp4MoeB = kernels::Mxfp4MoeTile<false, 4, 3, 4, 3, 3>;  // 3 stages (70 KB), 3 blocks an SM
+using Mxfp4MoeC = kernels::Mxfp4MoeTile<false, 4, 3, 4, 2, 4>;  // 2 stages (47 KB), 4 blocks an SM
+using Mxfp4MoeD = kernels::Mxfp4MoeTile<false, 4, 3, 8, 3, 2>;  // 64 rows a tile, 3 stages (100 KB)
 
 template <class Down>
-using GateUpOf = kernels::Mxfp4MoeTile<true, Down::kWarps, Down::kMT, Down::kNT, Down::kStages>;
+using GateUpOf =
+    kernels::Mxfp4MoeTile<true, Down::kWarps, Down::kMT, Down::kNT, Down::kStages, Down::kMinBlocks>;
 
 template <class Tile>
 void launch_mxfp4_moe(const kernels::Mxfp4MoeGemmParams& p, int64_t max_tiles) {
@@ -268,6 +281,8 @@ void moe_prefill_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, cons
     moe_mxfp4_gemms<Mxfp4MoeB>(s, gate_up, down, ids, x, m, top_k, n_experts, inter, hidden, alpha, limit);
   else if (v == 'c')
     moe_mxfp4_gemms<Mxfp4MoeC>(s, gate_up, down, ids, x, m, top_k, n_experts, inter, hidden, alpha, limit);
+  else if (v == 'd')
+    moe_mxfp4_gemms<Mxfp4MoeD>(s, gate_up, down, ids, x, m, top_k, n_experts, inter, hidden, alpha, limit);
   else
     moe_mxfp4_gemms<Mxfp4MoeA>(s, gate_up, down, ids, x, m, top_k, n_experts, inter, hidden, alpha, limit);
   combine(s, weights, m, top_k, hidden, out);

@@ -20,6 +20,10 @@ constexpr bool gemm_dense_supports(Dense type, int64_t k) { return type != Dense
 void gemm_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                 int64_t k);
 
+// x f32 [count] -> hi = T(x), lo = T(x - hi) for T = F16 or BF16 (count % 4 == 0, x 16-byte aligned):
+// the near-f32 split of gemm_dense's activations, for a library GEMM (backend/cuda/cublaslt.h).
+void split_16bit(Dense type, const float* x, int64_t count, void* hi, void* lo);
+
 // MoE for any number of tokens with device-side routing (ids/weights [m, top_k] from moe_route) and
 // no host round trip: the (token, slot) pairs are grouped by expert on the GPU, then a grouped W4A16
 // GEMM over gate and up (SiLU(gate)·up in its epilogue), one over down, and a weighted combine in
