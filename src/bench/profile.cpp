@@ -88,7 +88,7 @@ StepProfile profile_steps(const std::vector<KernelSpan>& spans, int64_t steps) {
 }
 
 std::string format_profile(const StepProfile& p) {
-  std::string out = fmt::format("decode step: {:.1f} us ({} steps traced; time on the critical path, see bench/profile.h)\n\n",
+  std::string out = fmt::format("step: {:.1f} us ({} steps traced; time on the critical path, see bench/profile.h)\n\n",
                                 p.step_us, p.steps);
   out += "| category | kernels/step | us/step | share |\n|---|---:|---:|---:|\n";
   for (const ProfileRow& r : p.categories)

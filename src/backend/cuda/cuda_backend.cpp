@@ -708,8 +708,8 @@ class CudaBackend final : public Backend {
                                            : w.k % cuda::dense_per_vec(dense_type(w.format)) == 0;
   }
 
-  // MXFP4 with prefill shapes: dequantised to BF16 (exactly) into scratch, then the dense
-  // tensor-core GEMM. Writing and reading the BF16 copy costs 4x the weight's own bytes, a small
+  // MXFP4 with prefill shapes: dequantised to BF16 (exactly) into scratch, then a dense
+  // tensor-core GEMM (cuBLASLt's above kLibraryGemmMinRows rows, as gemm()). Writing and reading the BF16 copy costs 4x the weight's own bytes, a small
   // part of a prefill's time (gpt-oss's q/k/v, o and lm_head when quantized at load; its experts
   // take the grouped MXFP4 GEMMs of moe()).
   bool mxfp4_gemm(const LinearWeight& w, const float* x, int64_t m, float* out) {
@@ -717,7 +717,11 @@ class CudaBackend final : public Backend {
     Buffer dense(*this, size_t(w.n * w.k) * 2);
     cuda::mxfp4_dequant_bf16(w.mxfp4.codes, w.mxfp4.scales, dense.data(), w.n, w.k);
     CUDA_CHECK_LAUNCH("mxfp4_dequant_bf16");
-    cuda::gemm_dense(cuda::Dense::kBF16, dense.data(), w.bias, x, out, m, w.n, w.k);
+    LinearWeight bf16 = w;
+    bf16.format = WeightFormat::kBF16;
+    bf16.dense = dense.data();
+    if (!(m > kLibraryGemmMinRows && library_gemm(bf16, x, m, out)))
+      cuda::gemm_dense(cuda::Dense::kBF16, dense.data(), w.bias, x, out, m, w.n, w.k);
     CUDA_CHECK_LAUNCH("gemm");
     return true;
   }
