@@ -16,6 +16,14 @@
 // Weights are read once per row tile of BN pairs, from L2 for all but the first: blockIdx.x runs
 // over the row tiles, so the tiles of one expert and one weight block run side by side.
 //
+// Scales folded into the weights (kFoldScale, the default where a matrix set allows it): the f32
+// scaling above costs 4 FMAs per 16x8 tile and block plus a fresh accumulator, the decode kernels'
+// price for an unlimited scale range. Where every scale of the experts lies in 2^-23 .. 2^1 (E8M0
+// 104 .. 128; gpt-oss's are in there), an E2M1 value times its scale is exact in f16 (subnormals
+// included), so each A fragment is multiplied by its block's scale as f16 (one mul per two
+// weights, shared by the NT tiles) and the mmas accumulate in place over all of K. The launcher
+// checks the range on the device once per expert set (mxfp4_scales_outside_kernel).
+//
 // Gate/up rows are interleaved in the checkpoint (row 2j gate j, 2j + 1 up j); the A rows are
 // loaded from any row we like, so a tile's mma rows 0..7 are the gate rows of 8 features and rows
 // 8..15 their up rows: the thread holding gate (row g) also holds up (row g + 8) of the same
@@ -62,6 +70,17 @@ struct Mxfp4MoeGemmParams {
   float alpha, limit;           // gate/up: the clamped SwiGLU
 };
 
+// The decode layout's biased scale bytes (mxfp4_decode_scale: E8M0 + 14) that kFoldScale takes.
+constexpr uint8_t kMxfp4FoldScaleMin = 104 + 14, kMxfp4FoldScaleMax = 128 + 14;
+
+// Sets *outside when a scale byte of [count] lies outside the folding range (padding slots hold
+// 127 + 14, inside it).
+__global__ void mxfp4_scales_outside_kernel(const uint8_t* __restrict__ scales, int64_t count,
+                                            unsigned* __restrict__ outside) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count && (scales[i] < kMxfp4FoldScaleMin || scales[i] > kMxfp4FoldScaleMax)) *outside = 1u;
+}
+
 template <bool kGateUp_, int WARPS, int MT, int NT, int STAGES, int MIN_BLOCKS>
 struct Mxfp4MoeTile {
   static constexpr bool kGateUp = kGateUp_;
@@ -76,7 +95,7 @@ struct Mxfp4MoeTile {
   static constexpr int kSmemBytes = STAGES * kStageBytes;
 };
 
-template <class Tile>
+template <class Tile, bool kFoldScale>
 __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks) gemm_mxfp4_moe_kernel(Mxfp4MoeGemmParams p) {
   constexpr int MT = Tile::kMT, NT = Tile::kNT, BN = Tile::kBN, R = Tile::kRows, STAGES = Tile::kStages;
   constexpr bool kGateUp = Tile::kGateUp;
@@ -169,14 +188,34 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks) gemm_mxfp4_m
 #pragma unroll
           for (int pp = 0; pp < 4; ++pp) a[pp / 2][2 * (pp % 2) + h] = pairs[pp];
         }
-        const float s0 = mxfp4_group_scale(sv[mt][0], b), s1 = mxfp4_group_scale(sv[mt][1], b);
+        if constexpr (kFoldScale) {
+          // value · 2^-14 times 2^(e - 127 + 14) as f16: exponent field (byte - 127) + 15.
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          float d[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_f16(d, a[0], xv[nt].x, xv[nt].y);
-          mma_f16(d, a[1], xv[nt].z, xv[nt].w);
-          acc[mt][nt][0] = fmaf(d[0], s0, acc[mt][nt][0]), acc[mt][nt][1] = fmaf(d[1], s0, acc[mt][nt][1]);
-          acc[mt][nt][2] = fmaf(d[2], s1, acc[mt][nt][2]), acc[mt][nt][3] = fmaf(d[3], s1, acc[mt][nt][3]);
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t field = ((sv[mt][h] >> (8 * b)) & 0xFFu) - 112u, s2 = (field << 10) | (field << 26);
+#pragma unroll
+            for (int st = 0; st < 2; ++st)
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                uint32_t& v = a[st][2 * r + h];
+                asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(v) : "r"(s2));
+              }
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            mma_f16(acc[mt][nt], a[0], xv[nt].x, xv[nt].y);
+            mma_f16(acc[mt][nt], a[1], xv[nt].z, xv[nt].w);
+          }
+        } else {
+          const float s0 = mxfp4_group_scale(sv[mt][0], b), s1 = mxfp4_group_scale(sv[mt][1], b);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_f16(d, a[0], xv[nt].x, xv[nt].y);
+            mma_f16(d, a[1], xv[nt].z, xv[nt].w);
+            acc[mt][nt][0] = fmaf(d[0], s0, acc[mt][nt][0]), acc[mt][nt][1] = fmaf(d[1], s0, acc[mt][nt][1]);
+            acc[mt][nt][2] = fmaf(d[2], s1, acc[mt][nt][2]), acc[mt][nt][3] = fmaf(d[3], s1, acc[mt][nt][3]);
+          }
         }
       }
     }

@@ -24,12 +24,13 @@ class GptOssOpsTest : public GpuCompareTest {
  protected:
   GptOssOpsTest() : GpuCompareTest(4321) {}
 
-  // Random MXFP4 codes with block scales 2^-9 .. 2^-5 (gpt-oss's weights are of that size).
-  LinearWeight random_mxfp4(int64_t n, int64_t k, bool bias) {
+  // Random MXFP4 codes with block scales 2^-9 .. 2^-5 (gpt-oss's weights are of that size), or
+  // E8M0 exponents scale_lo .. scale_hi.
+  LinearWeight random_mxfp4(int64_t n, int64_t k, bool bias, int scale_lo = 118, int scale_hi = 122) {
     Mxfp4Matrix m;
     m.n = n;
     m.k = k;
-    std::uniform_int_distribution<int> byte(0, 255), scale(118, 122);
+    std::uniform_int_distribution<int> byte(0, 255), scale(scale_lo, scale_hi);
     m.codes.resize(size_t(n * k / 2));
     for (auto& c : m.codes) c = uint8_t(byte(rng_));
     m.scales.resize(size_t(n * k / 32));
@@ -170,14 +171,21 @@ TEST_F(GptOssOpsTest, AttentionSinksAndWindows) {
 // groups per warp in both decode kernels, a last partial group of 128 k) at decode and prefill
 // token counts. Prefill (m > 8) runs the grouped GEMMs: 160 x 96 (partial groups on both sides,
 // features not a multiple of a block's) with 300 tokens over 8 experts (several row tiles an
-// expert, partial last tiles) and 33 tokens over 32 (experts with no rows or one).
+// expert, partial last tiles) and 33 tokens over 32 (experts with no rows or one). Its kernels fold
+// the block scales into f16 weights when all lie in 2^-23 .. 2^1: scales at both ends of that
+// range, and scales below it (the exact per-block f32 scaling; folding those would multiply by
+// garbage), at 300 tokens. Those weights reach 12, so their inputs are of size 1, not 40: the
+// projections' f16-rounded inputs would otherwise err by more than the clamped SwiGLU's inputs.
 TEST_F(GptOssOpsTest, MoeBlock) {
   struct Case {
     int64_t H, inter, E, m;
+    int scale_lo = 118, scale_hi = 122;
+    float x_size = 40.f;
   };
-  for (auto [H, inter, E, m] : {Case{256, 128, 8, 1}, Case{256, 128, 8, 5}, Case{256, 128, 8, 40},
-                                Case{160, 96, 8, 300}, Case{256, 128, 32, 33}, Case{2880, 2880, 6, 1},
-                                Case{2880, 2880, 6, 3}, Case{2880, 2880, 6, 50}}) {
+  for (auto [H, inter, E, m, scale_lo, scale_hi, x_size] :
+       {Case{256, 128, 8, 1}, Case{256, 128, 8, 5}, Case{256, 128, 8, 40}, Case{160, 96, 8, 300},
+        Case{160, 96, 8, 300, 104, 128, 1.f}, Case{160, 96, 8, 300, 96, 128, 1.f}, Case{256, 128, 32, 33},
+        Case{2880, 2880, 6, 1}, Case{2880, 2880, 6, 3}, Case{2880, 2880, 6, 50}}) {
     MoeWeights host, dev;
     for (MoeWeights* w : {&host, &dev}) {
       w->top_k = 4;
@@ -200,8 +208,8 @@ TEST_F(GptOssOpsTest, MoeBlock) {
     dev.router = gpu_->upload(host.router);
     for (int64_t e = 0; e < E; ++e) {
       MlpWeights ex;
-      ex.gate_up = random_mxfp4(2 * inter, H, true);
-      ex.down = random_mxfp4(H, inter, true);
+      ex.gate_up = random_mxfp4(2 * inter, H, true, scale_lo, scale_hi);
+      ex.down = random_mxfp4(H, inter, true, scale_lo, scale_hi);
       MlpWeights d;
       d.gate_up = gpu_->upload(ex.gate_up);
       d.down = gpu_->upload(ex.down);
@@ -209,7 +217,7 @@ TEST_F(GptOssOpsTest, MoeBlock) {
       dev.experts.push_back(std::move(d));
     }
     // Inputs large enough that gate and up pass the ±7 clamp for some elements.
-    auto x = random(m * H, 40.f);
+    auto x = random(m * H, x_size);
     std::vector<float> want(size_t(m * H));
     cpu_->moe(host, x.data(), m, want.data());
     // Two 16-bit roundings in sequence (the input, then the activation the down projection reads),
@@ -217,7 +225,9 @@ TEST_F(GptOssOpsTest, MoeBlock) {
     // 1.1e-3 at 2880 x 2880, H100).
     float* out = poisoned_gpu(m * H);
     gpu_->moe(dev, on_gpu(x), m, out);
-    expect_close(to_host(out, m * H), want, fmt::format("gpt-oss moe {}x{} m={}", H, inter, m), 2 * kF16Tolerance);
+    expect_close(to_host(out, m * H), want,
+                 fmt::format("gpt-oss moe {}x{} m={} scales {}..{}", H, inter, m, scale_lo, scale_hi),
+                 2 * kF16Tolerance);
     // The decode step's form: the norm first, the block's output added to the residual stream.
     WeightVector norm_host = host_vector(random(H, 1.f));
     WeightVector norm_dev = gpu_->upload(norm_host);

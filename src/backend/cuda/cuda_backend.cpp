@@ -526,7 +526,7 @@ class CudaBackend final : public Backend {
       Buffer scratch(*this, size_t(cuda::moe_prefill_scratch_bytes(m, K, E, tables->inter, H)));
       cuda::moe_prefill_mxfp4(tables->gate_up.data<cuda::Mxfp4Device>(), tables->down.data<cuda::Mxfp4Device>(),
                               ids.data<int32_t>(), weights.data(), x, out, m, K, E, tables->inter, H, w.swiglu_alpha,
-                              w.swiglu_limit, scratch.data());
+                              w.swiglu_limit, tables->fold_scales, scratch.data());
       CUDA_CHECK_LAUNCH("moe_prefill_mxfp4");
       return;
     }
@@ -797,6 +797,7 @@ class CudaBackend final : public Backend {
   // ExpertTables there instead). Null when the experts are not all MXFP4 of gpt-oss's layout.
   struct Mxfp4Tables {
     bool usable = false;
+    bool fold_scales = false;  // every scale in the prefill kernels' f16 folding range
     int64_t inter = 0;
     Buffer gate_up, down;
   };
@@ -831,6 +832,19 @@ class CudaBackend final : public Backend {
     };
     upload_table(gate_up, tables->gate_up);
     upload_table(down, tables->down);
+    // One device pass over the scales (a byte each) and one flag back, at first use.
+    Buffer outside(*this, 4);
+    CUDA_CHECK(cudaMemsetAsync(outside.data(), 0, 4, cudaStreamPerThread));
+    for (const MlpWeights& e : w.experts) {
+      cuda::mxfp4_scales_outside_fold(e.gate_up.mxfp4.scales, e.gate_up.n * cuda::mxfp4_scale_stride(H),
+                                      outside.data<unsigned>());
+      cuda::mxfp4_scales_outside_fold(e.down.mxfp4.scales, H * cuda::mxfp4_scale_stride(tables->inter),
+                                      outside.data<unsigned>());
+    }
+    CUDA_CHECK_LAUNCH("mxfp4_scales_outside_fold");
+    unsigned flag = 1;
+    copy_to_host(&flag, outside.data(), 4);
+    tables->fold_scales = flag == 0;
     tables->usable = true;
     return tables.get();
   }

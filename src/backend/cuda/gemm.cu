@@ -216,26 +216,26 @@ void combine(const MoeScratch& s, const float* weights, int64_t m, int64_t top_k
 
 // MXFP4 MoE tiles (kernels/moe_mxfp4_prefill.cuh): warps, weight tiles a warp, 8-row n-tiles,
 // stages, minimum blocks an SM (a register cap). 4 warps x 3 tiles: gate/up blocks of 96 features
-// and down blocks of 192, both dividing gpt-oss's 2880. NIBBLE_MXFP4_PREFILL_TILE=b|c|d selects
-// the others for A/B runs.
-using Mxfp4MoeA = kernels::Mxfp4MoeTile<false, 4, 3, 4, 4, 1>;  // 32 rows a tile, 4 stages (93 KB), 186 registers
-using Mxfp4MoeB = kernels::Mxfp4MoeTile<false, 4, 3, 4, 3, 3>;  // 3 stages (70 KB), 3 blocks an SM
+// and down blocks of 192, both dividing gpt-oss's 2880; 32 sorted rows a tile. C, the default:
+// 2 stages and at most 128 registers, 4 blocks an SM (with the scales folded: gpt-oss-20b pp2048
+// +6.5% over A, which gains nothing from folding at 2 blocks an SM). NIBBLE_MXFP4_PREFILL_TILE=a
+// selects A for A/B runs (BENCHMARKS.md has two more, measured slower and removed).
+using Mxfp4MoeA = kernels::Mxfp4MoeTile<false, 4, 3, 4, 4, 1>;  // 4 stages (93 KB), 186 registers
 using Mxfp4MoeC = kernels::Mxfp4MoeTile<false, 4, 3, 4, 2, 4>;  // 2 stages (47 KB), 4 blocks an SM
-using Mxfp4MoeD = kernels::Mxfp4MoeTile<false, 4, 3, 8, 3, 2>;  // 64 rows a tile, 3 stages (100 KB)
 
 template <class Down>
 using GateUpOf =
     kernels::Mxfp4MoeTile<true, Down::kWarps, Down::kMT, Down::kNT, Down::kStages, Down::kMinBlocks>;
 
-template <class Tile>
+template <class Tile, bool kFold>
 void launch_mxfp4_moe(const kernels::Mxfp4MoeGemmParams& p, int64_t max_tiles) {
-  auto kernel = kernels::gemm_mxfp4_moe_kernel<Tile>;
+  auto kernel = kernels::gemm_mxfp4_moe_kernel<Tile, kFold>;
   allow_smem(kernel, size_t(Tile::kSmemBytes));
   const dim3 grid(unsigned(max_tiles), unsigned(ceil_div(p.n, Tile::kFeatures)));
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes>>>(p);
 }
 
-template <class Down>
+template <class Down, bool kFold>
 void moe_mxfp4_gemms(const MoeScratch& s, const Mxfp4Device* gate_up, const Mxfp4Device* down, const int32_t* ids,
                      const float* x, int64_t m, int64_t top_k, int64_t n_experts, int64_t inter, int64_t hidden,
                      float alpha, float limit) {
@@ -258,33 +258,39 @@ void moe_mxfp4_gemms(const MoeScratch& s, const Mxfp4Device* gate_up, const Mxfp
   p.n = inter;
   p.k = hidden;
   p.act = reinterpret_cast<__half*>(s.act);
-  launch_mxfp4_moe<GateUp>(p, max_tiles);
+  launch_mxfp4_moe<GateUp, kFold>(p, max_tiles);
   // down: act[sorted row] -> down[sorted row]
   p.x = reinterpret_cast<const __half*>(s.act);
   p.experts = reinterpret_cast<const kernels::Mxfp4Device*>(down);
   p.n = hidden;
   p.k = inter;
   p.y = s.down;
-  launch_mxfp4_moe<Down>(p, max_tiles);
+  launch_mxfp4_moe<Down, kFold>(p, max_tiles);
 }
 
 }  // namespace
 
+void mxfp4_scales_outside_fold(const uint8_t* scales, int64_t count, unsigned* outside) {
+  constexpr int kThreads = 256;
+  kernels::mxfp4_scales_outside_kernel<<<unsigned(ceil_div(count, kThreads)), kThreads>>>(scales, count, outside);
+}
+
 void moe_prefill_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, const int32_t* ids, const float* weights,
                        const float* x, float* out, int64_t m, int64_t top_k, int64_t n_experts, int64_t inter,
-                       int64_t hidden, float alpha, float limit, void* scratch) {
+                       int64_t hidden, float alpha, float limit, bool fold_scales, void* scratch) {
   static_assert(sizeof(Mxfp4Device) == sizeof(kernels::Mxfp4Device));
   const MoeScratch s = carve_moe_scratch(scratch, m, top_k, n_experts, inter, hidden);
   static const char* variant = std::getenv("NIBBLE_MXFP4_PREFILL_TILE");
-  const char v = variant ? variant[0] : 'a';
-  if (v == 'b')
-    moe_mxfp4_gemms<Mxfp4MoeB>(s, gate_up, down, ids, x, m, top_k, n_experts, inter, hidden, alpha, limit);
-  else if (v == 'c')
-    moe_mxfp4_gemms<Mxfp4MoeC>(s, gate_up, down, ids, x, m, top_k, n_experts, inter, hidden, alpha, limit);
-  else if (v == 'd')
-    moe_mxfp4_gemms<Mxfp4MoeD>(s, gate_up, down, ids, x, m, top_k, n_experts, inter, hidden, alpha, limit);
+  static const bool no_fold = std::getenv("NIBBLE_MXFP4_NO_FOLD") != nullptr;  // for A/B runs
+  const bool c = !(variant && variant[0] == 'a'), fold = fold_scales && !no_fold;
+  auto run = [&](auto tile, auto fold_tag) {
+    moe_mxfp4_gemms<decltype(tile), decltype(fold_tag)::value>(s, gate_up, down, ids, x, m, top_k, n_experts, inter,
+                                                                hidden, alpha, limit);
+  };
+  if (fold)
+    c ? run(Mxfp4MoeC{}, std::true_type{}) : run(Mxfp4MoeA{}, std::true_type{});
   else
-    moe_mxfp4_gemms<Mxfp4MoeA>(s, gate_up, down, ids, x, m, top_k, n_experts, inter, hidden, alpha, limit);
+    c ? run(Mxfp4MoeC{}, std::false_type{}) : run(Mxfp4MoeA{}, std::false_type{});
   combine(s, weights, m, top_k, hidden, out);
 }
 

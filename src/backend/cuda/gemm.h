@@ -39,9 +39,13 @@ void moe_prefill_int4(const Int4Device* gate, const Int4Device* up, const Int4De
 // n_experts Mxfp4Device in the decode layout; gate_up [2·inter, hidden] rows interleaved gate_j,
 // up_j; biases; the clamped SwiGLU with alpha and limit): x and the activations rounded to f16,
 // products in f32 (kernels/moe_mxfp4_prefill.cuh). hidden, inter % 32 == 0; x 16-byte aligned.
+// fold_scales: every expert's scales passed mxfp4_scales_outside_fold (the faster kernels).
 // scratch: moe_prefill_scratch_bytes(...) bytes.
 void moe_prefill_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, const int32_t* ids, const float* weights,
                        const float* x, float* out, int64_t m, int64_t top_k, int64_t n_experts, int64_t inter,
-                       int64_t hidden, float alpha, float limit, void* scratch);
+                       int64_t hidden, float alpha, float limit, bool fold_scales, void* scratch);
+// Sets *outside (device memory) to 1 when a decode-layout scale byte of [count] is outside the range
+// the MoE prefill kernels can fold into f16 weights exactly (E8M0 104 .. 128).
+void mxfp4_scales_outside_fold(const uint8_t* scales, int64_t count, unsigned* outside);
 
 }  // namespace nibble::cuda
