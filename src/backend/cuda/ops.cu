@@ -151,10 +151,32 @@ unsigned sm_count() {
 }
 constexpr unsigned kDenseBlocksPerSm = 8;
 
+// Matrices with at most this many rows per SM take the split-K dense GEMV (one block a row).
+constexpr int64_t kDenseSplitKRowsPerSm = 1;
+constexpr int kDenseSplitKWarps = 8;
+
 template <kernels::DenseType T>
 struct GemvDense {
   static void run(const void* w, const float* bias, const float* x, float* y, int64_t m, int64_t n, int64_t k,
                   const GemvIo& io) {
+    static const bool no_split = std::getenv("NIBBLE_NO_SPLIT_K_GEMV") != nullptr;  // for A/B runs
+    if (n <= kDenseSplitKRowsPerSm * int64_t(sm_count()) && k >= 32 * kDenseSplitKWarps * 4 && !no_split) {
+      dispatch_norm(io, [&](auto kNorm) {
+        auto go = [&](auto M) {
+          launch_pdl(kernels::gemv_dense_split_k_kernel<T, M.value, kDenseSplitKWarps, kNorm.value>, unsigned(n),
+                     32 * kDenseSplitKWarps, w, bias, x, y, int(m), n, k, to_kernel(io));
+        };
+        if (m == 1)
+          go(std::integral_constant<int, 1>{});
+        else if (m == 2)
+          go(std::integral_constant<int, 2>{});
+        else if (m <= 4)
+          go(std::integral_constant<int, 4>{});
+        else
+          go(std::integral_constant<int, 8>{});
+      });
+      return;
+    }
     dispatch_norm(io, [&](auto kNorm) {
       gemv_dispatch(m, n, [&](auto M, auto R, unsigned grid) {
         // At most kDenseBlocksPerSm blocks per SM; their warps stride over the rest of the rows.
