@@ -709,9 +709,9 @@ class CudaBackend final : public Backend {
   }
 
   // MXFP4 with prefill shapes: dequantised to BF16 (exactly) into scratch, then a dense
-  // tensor-core GEMM (cuBLASLt's above kLibraryGemmMinRows rows, as gemm()). Writing and reading the BF16 copy costs 4x the weight's own bytes, a small
-  // part of a prefill's time (gpt-oss's q/k/v, o and lm_head when quantized at load; its experts
-  // take the grouped MXFP4 GEMMs of moe()).
+  // tensor-core GEMM (cuBLASLt's above kLibraryGemmMinRows rows, as gemm()). Writing and reading
+  // the BF16 copy costs 4x the weight's own bytes, a small part of a prefill's time (gpt-oss's
+  // q/k/v, o and lm_head when quantized at load; its experts take the grouped MXFP4 GEMMs of moe()).
   bool mxfp4_gemm(const LinearWeight& w, const float* x, int64_t m, float* out) {
     if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || !cuda::gemm_dense_supports(cuda::Dense::kBF16, w.k)) return false;
     Buffer dense(*this, size_t(w.n * w.k) * 2);
@@ -772,6 +772,7 @@ class CudaBackend final : public Backend {
       if (w.int4.layout != Int4Layout::kWarpInterleaved) return false;
       cuda::gemm_int4(int4_device(w), w.bias, x, out, m, w.n, w.k);
     } else if (!exact && m > kLibraryGemmMinRows && library_gemm(w, x, m, out)) {
+      // done by cuBLASLt
     } else if (cuda::gemm_dense_supports(dense_type(w.format), w.k)) {
       cuda::gemm_dense(dense_type(w.format), w.dense, w.bias, x, out, m, w.n, w.k);
     } else {
