@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "core/hash_random.h"
+#include "kernels/activation.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/pdl.cuh"
 #include "kernels/timeline.cuh"
@@ -27,8 +28,7 @@ __global__ void clamped_swiglu_interleaved_kernel(const float* __restrict__ gate
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * inter) return;
   const float2 gu = reinterpret_cast<const float2*>(gate_up)[i];
-  const float g = fminf(gu.x, limit), u = fminf(fmaxf(gu.y, -limit), limit);
-  out[i] = (u + 1.f) * g / (1.f + expf(-alpha * g));
+  out[i] = clamped_swiglu(gu.x, gu.y, alpha, limit);
 }
 
 __global__ void add_kernel(const float* __restrict__ x, int64_t count, float* __restrict__ y) {

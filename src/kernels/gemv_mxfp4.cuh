@@ -153,10 +153,7 @@ __device__ __forceinline__ void mxfp4_stage_x(const XRows<M, kNorm>& xr, int64_t
     const int64_t k0 = 8 * int64_t(idx % per_row);
     float f[8];
     xr.template load<8>(mi, k0, f);
-    // Unit order (8t, 8t + 4, 8t + 1, 8t + 5, ...): pairs (j, j + 4).
-    const uint4 unit = make_uint4(pack_f16x2(f[0], f[4]), pack_f16x2(f[1], f[5]), pack_f16x2(f[2], f[6]),
-                                  pack_f16x2(f[3], f[7]));
-    *reinterpret_cast<uint4*>(xs + mi * mxfp4_x_stride(k) + k0) = unit;
+    *reinterpret_cast<uint4*>(xs + mi * mxfp4_x_stride(k) + k0) = mxfp4_staged_unit(f);
   }
 }
 

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "kernels/activation.cuh"
 #include "kernels/gemv_mxfp4.cuh"
 
 namespace nibble::kernels {
@@ -72,8 +73,7 @@ __global__ void __launch_bounds__(32 * KS * NTB, moe_mxfp4_gate_up_min_blocks(32
 #pragma unroll
     for (int i = 0; i < KS; ++i) gate += partial[tn][i][2 * jj], up += partial[tn][i][2 * jj + 1];
     if (d.bias) gate += d.bias[2 * j], up += d.bias[2 * j + 1];
-    const float gc = fminf(gate, limit), uc = fminf(fmaxf(up, -limit), limit);
-    act[slot * inter + mxfp4_x_half(j)] = __float2half_rn((uc + 1.f) * gc / (1.f + expf(-alpha * gc)));
+    act[slot * inter + mxfp4_x_half(j)] = __float2half_rn(clamped_swiglu(gate, up, alpha, limit));
   }
 }
 

@@ -34,6 +34,7 @@
 
 #include <cstdint>
 
+#include "kernels/activation.cuh"
 #include "kernels/gemm_layout.h"
 #include "kernels/mma.cuh"
 #include "kernels/mxfp4.cuh"
@@ -47,14 +48,8 @@ __global__ void mxfp4_stage_rows_kernel(const float* __restrict__ x, int64_t row
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * k / 8) return;
   const float4 lo = reinterpret_cast<const float4*>(x)[2 * i], hi = reinterpret_cast<const float4*>(x)[2 * i + 1];
-  // Unit order (8t, 8t + 4, 8t + 1, 8t + 5, ...): pairs (j, j + 4), as mxfp4_stage_x.
-  reinterpret_cast<uint4*>(out)[i] =
-      make_uint4(pack_f16x2(lo.x, hi.x), pack_f16x2(lo.y, hi.y), pack_f16x2(lo.z, hi.z), pack_f16x2(lo.w, hi.w));
-}
-
-__device__ __forceinline__ float clamped_swiglu(float gate, float up, float alpha, float limit) {
-  const float g = fminf(gate, limit), u = fminf(fmaxf(up, -limit), limit);
-  return (u + 1.f) * g / (1.f + expf(-alpha * g));
+  const float f[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  reinterpret_cast<uint4*>(out)[i] = mxfp4_staged_unit(f);
 }
 
 struct Mxfp4MoeGemmParams {

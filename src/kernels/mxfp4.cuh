@@ -1,9 +1,12 @@
 // The MXFP4 decode layout's device-side pieces shared by the decode kernels (kernels/gemv_mxfp4.cuh,
 // moe_mxfp4.cuh, which describe the layout) and the prefill GEMMs (moe_mxfp4_prefill.cuh): the
-// weight handles and the biased E8M0 scale. No kernels here, so any launcher file may include it.
+// weight handles, the biased E8M0 scale, the staged activation unit. No kernels here, so any
+// launcher file may include it.
 #pragma once
 
 #include <cstdint>
+
+#include "kernels/mma.cuh"
 
 namespace nibble::kernels {
 
@@ -20,6 +23,12 @@ __host__ __device__ constexpr uint8_t mxfp4_decode_scale(uint8_t e8m0) { return 
 // (b: a constant once the callers' loops unroll.)
 __device__ __forceinline__ float mxfp4_group_scale(uint32_t word, int b) {
   return __uint_as_float((b == 3 ? word >> 1 : word << (23 - 8 * b)) & 0x7F800000u);
+}
+
+// 8 consecutive inputs as one 16-byte unit of a staged row, f16 in mxfp4_x_half order (8t, 8t + 4,
+// 8t + 1, 8t + 5, ...: pairs (j, j + 4)), the B operand of a block's two mma steps.
+__device__ __forceinline__ uint4 mxfp4_staged_unit(const float (&f)[8]) {
+  return make_uint4(pack_f16x2(f[0], f[4]), pack_f16x2(f[1], f[5]), pack_f16x2(f[2], f[6]), pack_f16x2(f[3], f[7]));
 }
 
 // One expert's matrix in device memory, decode layout; bias [n] (or null).

@@ -9,7 +9,6 @@
 #include <mutex>
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include "backend/cuda/gemm.h"
 
@@ -81,10 +80,10 @@ struct Plan {
 };
 
 // y (n x m column-major = [m][n] row-major) = op(W: k x n column-major = [n][k] row-major)ᵀ · x
-// (k x m column-major = [m][k] row-major) (+ bias) (+ y when accumulate).
-const Plan& plan(CublasLt& lib, Dense type, int64_t m, int64_t n, int64_t k, bool bias, bool accumulate) {
-  static std::map<std::tuple<int, int64_t, int64_t, int64_t, bool, bool>, Plan> plans;
-  Plan& p = plans[{int(type), m, n, k, bias, accumulate}];
+// (k x m column-major = [m][k] row-major) (+ bias); beta, given at the call, adds y.
+const Plan& plan(CublasLt& lib, Dense type, int64_t m, int64_t n, int64_t k, bool bias) {
+  static std::map<std::tuple<int, int64_t, int64_t, int64_t, bool>, Plan> plans;
+  Plan& p = plans[{int(type), m, n, k, bias}];
   if (p.desc) return p;
   const cudaDataType_t t = type == Dense::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
   if (lib.desc_create(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return p;
@@ -112,7 +111,6 @@ const Plan& plan(CublasLt& lib, Dense type, int64_t m, int64_t n, int64_t k, boo
     p.algo = result.algo;
     p.ok = true;
   }
-  (void)accumulate;  // part of the key: beta = 1 may pick another algorithm
   return p;
 }
 
@@ -131,8 +129,8 @@ bool cublaslt_gemm_split(Dense type, const void* w, const float* bias, const flo
   std::lock_guard<std::mutex> lock(mutex);
   CublasLt* lib = load();
   if (!lib) return false;
-  const Plan& first = plan(*lib, type, m, n, k, bias != nullptr, false);
-  const Plan& second = plan(*lib, type, m, n, k, false, true);
+  const Plan& first = plan(*lib, type, m, n, k, bias != nullptr);
+  const Plan& second = plan(*lib, type, m, n, k, false);
   if (!first.ok || !second.ok) return false;
   void* hi = scratch;
   void* lo = static_cast<char*>(scratch) + m * k * 2;

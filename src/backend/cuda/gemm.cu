@@ -208,6 +208,15 @@ void group_pairs(const MoeScratch& s, const int32_t* ids, int64_t m, int64_t top
                                                              s.offsets, s.sorted_token, s.pair_row);
 }
 
+// The grouped GEMMs' view of the grouping (both parameter structs name the fields alike).
+template <class Params>
+void set_tile_table(Params& p, const MoeScratch& s) {
+  p.tiles = s.tiles;
+  p.n_tiles = s.n_tiles;
+  p.offsets = s.offsets;
+  p.sorted_token = s.sorted_token;
+}
+
 void combine(const MoeScratch& s, const float* weights, int64_t m, int64_t top_k, int64_t hidden, float* out) {
   constexpr int kThreads = 256;
   kernels::moe_combine_kernel<<<unsigned(ceil_div(m * hidden / 4, kThreads)), kThreads>>>(
@@ -246,10 +255,7 @@ void moe_mxfp4_gemms(const MoeScratch& s, const Mxfp4Device* gate_up, const Mxfp
   kernels::mxfp4_stage_rows_kernel<<<unsigned(ceil_div(m * hidden / 8, kThreads)), kThreads>>>(x, m, hidden,
                                                                                               s.staged);
   kernels::Mxfp4MoeGemmParams p{};
-  p.tiles = s.tiles;
-  p.n_tiles = s.n_tiles;
-  p.offsets = s.offsets;
-  p.sorted_token = s.sorted_token;
+  set_tile_table(p, s);
   p.alpha = alpha;
   p.limit = limit;
   // gate/up: staged x[token] -> act[sorted row] (f16, staged order)
@@ -303,10 +309,7 @@ void moe_prefill_int4(const Int4Device* gate, const Int4Device* up, const Int4De
     using Tile = decltype(tile);
     group_pairs(s, ids, m, top_k, n_experts, Tile::kBM);
     kernels::GemmInt4Params p{};
-    p.tiles = s.tiles;
-    p.n_tiles = s.n_tiles;
-    p.offsets = s.offsets;
-    p.sorted_token = s.sorted_token;
+    set_tile_table(p, s);
     p.m = pairs;
     const int64_t max_tiles = ceil_div(pairs, Tile::kBM) + n_experts;
     // gate and up: x[token] -> act[sorted row]
