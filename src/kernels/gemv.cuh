@@ -364,8 +364,8 @@ __device__ __forceinline__ void copy_staged_rows(const __half* __restrict__ src,
 }
 
 // Row-major INT4 codes [n][k/2] -> the interleaved layout above; one thread per output word.
-__global__ void int4_interleave_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
-                                       int64_t n, int64_t k) {
+static __global__ void int4_interleave_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
+                                              int64_t n, int64_t k) {
   const int64_t chunks = k / 256, words_per_row = k / 8;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= n * words_per_row) return;

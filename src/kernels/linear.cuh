@@ -58,12 +58,12 @@ __global__ void linear_dense_warp_row_kernel(const void* __restrict__ w, const f
   }
 }
 
-__global__ void linear_int4_warp_row_kernel(const uint8_t* __restrict__ codes,
-                                            const __half* __restrict__ scales,
-                                            const uint8_t* __restrict__ zeros,
-                                            const float* __restrict__ bias, const float* __restrict__ x,
-                                            float* __restrict__ y, int64_t m, int64_t n, int64_t k,
-                                            int64_t group_size, int64_t n_groups) {
+static __global__ void linear_int4_warp_row_kernel(const uint8_t* __restrict__ codes,
+                                                   const __half* __restrict__ scales,
+                                                   const uint8_t* __restrict__ zeros,
+                                                   const float* __restrict__ bias, const float* __restrict__ x,
+                                                   float* __restrict__ y, int64_t m, int64_t n, int64_t k,
+                                                   int64_t group_size, int64_t n_groups) {
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= n) return;

@@ -150,14 +150,49 @@ TEST_F(OpsTest, LinearDensePrefillRows) {
       }
 }
 
+// BF16 weights of decode shapes (m <= 8) take the tensor-core GEMV (kernels/gemv_dense_mma.cuh)
+// with x split into two bf16 halves: held to the exact kernel's tolerance through linear (with a
+// bias), the fused norm and the fused residual add. Shapes: gpt-oss's q/k/v and o (4 and 8 warps
+// along K), K with a partial 32-k pair (2888) and a partial batch, N not a multiple of the 8-row
+// tile; large values (|x| up to 300) keep the lo half's share of the products in view.
+TEST_F(OpsTest, LinearBf16Decode) {
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{5120, 2880}, {2880, 4096}, {1003, 2888}, {300, 1000}})
+    for (int64_t m : {1, 2, 5, 8}) {
+      const std::string what = fmt::format("bf16 m={} n={} k={}", m, n, k);
+      LinearWeight host = random_weight(WeightFormat::kBF16, n, k, 0, true);
+      LinearWeight dev = gpu_->upload(host);
+      auto x = random(m * k, 300.f);
+      std::vector<float> want(size_t(m * n));
+      cpu_->linear(host, x.data(), m, want.data());
+      float* out = poisoned_gpu(m * n);
+      gpu_->linear(dev, on_gpu(x), m, out);
+      expect_close(to_host(out, m * n), want, "linear " + what, kTolerance);
+
+      WeightVector norm = host_vector(random(k));
+      cpu_->rms_norm_linear(x.data(), norm, 1e-6f, host, m, want.data());
+      out = poisoned_gpu(m * n);
+      gpu_->rms_norm_linear(on_gpu(x), gpu_->upload(norm), 1e-6f, dev, m, out);
+      expect_close(to_host(out, m * n), want, "rms_norm_linear " + what, kTolerance);
+
+      auto residual = random(m * n, 2.f);
+      want = residual;
+      cpu_->linear_add(host, x.data(), m, want.data());
+      float* res = on_gpu(residual);
+      gpu_->linear_add(dev, on_gpu(x), m, res);
+      expect_close(to_host(res, m * n), want, "linear_add " + what, kTolerance);
+      release_buffers();
+    }
+}
+
 // An lm_head-sized 16-bit weight (2^27 elements and up) with 4-8 rows takes the tensor-core GEMM
-// instead of the GEMV (CudaBackend::dense_gemm_first), through linear and the fused norm form.
+// instead of the GEMV (CudaBackend::dense_gemm_first), through linear and the fused norm form;
+// with 1-3 rows the BF16 tensor-core GEMV, whose blocks then stride over the 8-row tiles.
 TEST_F(OpsTest, LargeDenseWeightFewRows) {
   const int64_t n = 65536, k = 2048;
   LinearWeight host = random_weight(WeightFormat::kBF16, n, k);
   LinearWeight dev = gpu_->upload(host);
   const WeightVector norm = host_vector(random(k)), dev_norm = gpu_->upload(norm);
-  for (int64_t m : {3, 4, 8}) {
+  for (int64_t m : {1, 3, 4, 8}) {
     auto x = random(m * k);
     std::vector<float> want(size_t(m * n)), normed(x.size());
     cpu_->linear(host, x.data(), m, want.data());

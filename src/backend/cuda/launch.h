@@ -56,6 +56,10 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
                int64_t k, const GemvIo& io = {});
 void gemv_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
                 int64_t n, int64_t k, const GemvIo& io = {});
+// The tensor-core form for BF16 weights (gemv_dense.cu): false, having launched nothing, where it
+// does not apply (k % 8, the staged rows' size, NIBBLE_NO_DENSE_MMA_GEMV=1); gemv_dense tries it first.
+bool gemv_bf16_mma(const void* w, const float* bias, const float* x, float* y, int64_t m, int64_t n, int64_t k,
+                   const GemvIo& io = {});
 // The router stages its m input rows in shared memory (m * hidden floats): the decode MoE path
 // is taken up to this size.
 constexpr int64_t kMoeRouterMaxStagedBytes = 160 * 1024;

@@ -12,6 +12,7 @@
 
 #include "backend/cuda/int4_args.cuh"
 #include "backend/cuda/launch.h"
+#include "backend/cuda/launch_pdl.cuh"
 #include "backend/cuda/smem_optin.cuh"
 #include "kernels/attention.cuh"
 #include "kernels/elementwise.cuh"
@@ -25,60 +26,6 @@
 
 namespace nibble::cuda {
 namespace {
-
-// Launches a kernel that follows the PDL rule of kernels/pdl.cuh with programmatic stream
-// serialisation, so it may start before its predecessor ends (sm_90+; plain launch before).
-bool pdl_supported() {
-  static const bool supported = [] {
-    int major = 0;
-    if (std::getenv("NIBBLE_NO_PDL")) return false;  // for measuring what PDL buys
-    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess && major >= 9;
-  }();
-  return supported;
-}
-
-// Thread-block clusters (sm_90+).
-bool clusters_supported() {
-  static const bool supported = [] {
-    int major = 0;
-    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess && major >= 9;
-  }();
-  return supported;
-}
-
-// cluster > 0: the grid's blocks form clusters of that many along x (clusters_supported() only).
-template <typename... Params, typename... Args>
-void launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, unsigned cluster,
-                        Args&&... args) {
-  cudaLaunchAttribute attrs[2]{};
-  unsigned n = 0;
-  if (pdl_supported()) {
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 0) {
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n++].val.clusterDim = {cluster, 1, 1};
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = cudaStreamPerThread;
-  config.attrs = attrs;
-  config.numAttrs = n;
-  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-}
-
-template <typename... Params, typename... Args>
-void launch_pdl_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
-  launch_pdl_cluster(kernel, grid, block, smem, 0, std::forward<Args>(args)...);
-}
-
-template <typename... Params, typename... Args>
-void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, Args&&... args) {
-  launch_pdl_smem(kernel, grid, block, 0, std::forward<Args>(args)...);
-}
 
 unsigned blocks_for(int64_t threads_total, int threads_per_block) {
   return unsigned((threads_total + threads_per_block - 1) / threads_per_block);
@@ -141,14 +88,6 @@ void dispatch_norm(const GemvIo& io, Fn&& fn) {
 
 kernels::GemvIo to_kernel(const GemvIo& io) { return {io.norm, io.eps, io.accumulate}; }
 
-unsigned sm_count() {
-  static const unsigned count = [] {
-    int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0);
-    return unsigned(n > 0 ? n : 1);
-  }();
-  return count;
-}
 constexpr unsigned kDenseBlocksPerSm = 8;
 
 // Matrices with at most this many rows per SM take the split-K dense GEMV (one block a row).
@@ -160,7 +99,9 @@ struct GemvDense {
   static void run(const void* w, const float* bias, const float* x, float* y, int64_t m, int64_t n, int64_t k,
                   const GemvIo& io) {
     static const bool no_split = std::getenv("NIBBLE_NO_SPLIT_K_GEMV") != nullptr;  // for A/B runs
-    if (n <= kDenseSplitKRowsPerSm * int64_t(sm_count()) && k >= 32 * kDenseSplitKWarps * 4 && !no_split) {
+    const bool split_k = n <= kDenseSplitKRowsPerSm * int64_t(sm_count()) && k >= 32 * kDenseSplitKWarps * 4 && !no_split;
+    if (T == kernels::DenseType::kBF16 && !split_k && gemv_bf16_mma(w, bias, x, y, m, n, k, io)) return;
+    if (split_k) {
       dispatch_norm(io, [&](auto kNorm) {
         auto go = [&](auto M) {
           launch_pdl(kernels::gemv_dense_split_k_kernel<T, M.value, kDenseSplitKWarps, kNorm.value>, unsigned(n),

@@ -1,0 +1,75 @@
+// Launch helpers shared by the CUDA launchers (ops.cu, gemv_dense.cu): programmatic dependent
+// launch (kernels/pdl.cuh states the rule the kernels keep), clusters, the SM count.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <utility>
+
+namespace nibble::cuda {
+
+// Launches a kernel that follows the PDL rule of kernels/pdl.cuh with programmatic stream
+// serialisation, so it may start before its predecessor ends (sm_90+; plain launch before).
+inline bool pdl_supported() {
+  static const bool supported = [] {
+    int major = 0;
+    if (std::getenv("NIBBLE_NO_PDL")) return false;  // for measuring what PDL buys
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess && major >= 9;
+  }();
+  return supported;
+}
+
+// Thread-block clusters (sm_90+).
+inline bool clusters_supported() {
+  static const bool supported = [] {
+    int major = 0;
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess && major >= 9;
+  }();
+  return supported;
+}
+
+// cluster > 0: the grid's blocks form clusters of that many along x (clusters_supported() only).
+template <typename... Params, typename... Args>
+inline void launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, unsigned cluster,
+                               Args&&... args) {
+  cudaLaunchAttribute attrs[2]{};
+  unsigned n = 0;
+  if (pdl_supported()) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 0) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n++].val.clusterDim = {cluster, 1, 1};
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = cudaStreamPerThread;
+  config.attrs = attrs;
+  config.numAttrs = n;
+  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+template <typename... Params, typename... Args>
+inline void launch_pdl_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  launch_pdl_cluster(kernel, grid, block, smem, 0, std::forward<Args>(args)...);
+}
+
+template <typename... Params, typename... Args>
+inline void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, Args&&... args) {
+  launch_pdl_smem(kernel, grid, block, 0, std::forward<Args>(args)...);
+}
+
+inline unsigned sm_count() {
+  static const unsigned count = [] {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, 0);
+    return unsigned(n > 0 ? n : 1);
+  }();
+  return count;
+}
+
+}  // namespace nibble::cuda

@@ -1,0 +1,130 @@
+// Microbenchmark of the decode GEMVs for dense BF16 weights (kernels/gemv_dense_mma.cuh against
+// gemv.cuh's CUDA-core kernel and a plain streaming read of the same bytes), one shape at a time,
+// on weights that are not in L2 (a ring of copies larger than it). Not a test, not a benchmark of
+// record: a tool for choosing launch shapes. The CUDA build makes build/cuda/gemv_dense_bench
+// (or: nvcc -std=c++20 -O3 -arch=sm_90a -Isrc tools/kernel-bench/gemv_dense_bench.cu); on the GPU:
+//   gemv_dense_bench 5120 2880 1 [norm]     # n k m, with the fused RMS norm when a 4th argument
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "kernels/gemv_dense_mma.cuh"
+
+using namespace nibble::kernels;
+
+#define CHECK(x)                                                                        \
+  do {                                                                                  \
+    cudaError_t e = (x);                                                                \
+    if (e != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));    \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+// The bandwidth ceiling: each thread sums 16-byte units of its share of the matrix.
+__global__ void stream_read_kernel(const uint4* __restrict__ p, int64_t units, float* out) {
+  uint32_t acc = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < units; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldg(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) out[0] = 1.f;
+}
+
+__global__ void fill_kernel(__nv_bfloat16* w, int64_t count, uint32_t seed) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    w[i] = __float2bfloat16((float(h & 0xFFFF) / 65536.f - 0.5f) * 0.2f);
+  }
+}
+
+int main(int argc, char** argv) {
+  const int64_t n = argc > 1 ? atoll(argv[1]) : 5120, k = argc > 2 ? atoll(argv[2]) : 2880;
+  const int m = argc > 3 ? atoi(argv[3]) : 1;
+  const bool norm = argc > 4;
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int64_t bytes = n * k * 2;
+  const int copies = int(160'000'000 / bytes) + 2;  // more than L2 holds
+  std::vector<__nv_bfloat16*> w(copies);
+  for (auto& p : w) {
+    CHECK(cudaMalloc(&p, bytes));
+    fill_kernel<<<1024, 256>>>(p, n * k, 7);
+  }
+  float *x, *y, *nw;
+  CHECK(cudaMalloc(&x, m * k * 4));
+  CHECK(cudaMalloc(&nw, k * 4));
+  CHECK(cudaMalloc(&y, m * n * 4));
+  std::vector<float> hx(m * k, 0.5f);
+  CHECK(cudaMemcpy(x, hx.data(), m * k * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(nw, hx.data(), k * 4, cudaMemcpyHostToDevice));
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  auto time = [&](const char* name, auto&& launch) {
+    for (int i = 0; i < 3 * copies; ++i) launch(w[i % copies]);
+    CHECK(cudaDeviceSynchronize());
+    const int reps = 20 * copies;
+    cudaEventRecord(a);
+    for (int i = 0; i < reps; ++i) launch(w[i % copies]);
+    cudaEventRecord(b);
+    CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    const double us = 1000.0 * ms / reps;
+    std::printf("%-40s %8.2f us %7.0f GB/s\n", name, us, bytes / us / 1e3);
+  };
+  const GemvIo io{norm ? nw : nullptr, 1e-6f, false};
+  const size_t smem = size_t(dense_mma_x_bytes(m, k));
+  const int64_t tiles = (n + 7) / 8;
+  auto mma = [&](auto kernel, int ks, int ntb, const char* name) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    int per_sm = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * ks * ntb, smem);
+    const int64_t blocks = std::min<int64_t>((tiles + ntb - 1) / ntb, int64_t(per_sm) * sms);
+    char label[96];
+    std::snprintf(label, sizeof label, "%s (%lld blocks, %d/SM)", name, (long long)blocks, per_sm);
+    time(label, [&](const __nv_bfloat16* p) {
+      kernel<<<unsigned(blocks), 32 * ks * ntb, smem>>>(p, nullptr, x, y, m, n, k, io);
+    });
+  };
+  time("stream read (132 x 8 blocks of 256)", [&](const __nv_bfloat16* p) {
+    stream_read_kernel<<<sms * 8, 256>>>(reinterpret_cast<const uint4*>(p), bytes / 16, y);
+  });
+  time("stream read (132 x 4 blocks of 256)", [&](const __nv_bfloat16* p) {
+    stream_read_kernel<<<sms * 4, 256>>>(reinterpret_cast<const uint4*>(p), bytes / 16, y);
+  });
+  if (norm) {
+    mma(gemv_bf16_mma_kernel<true, 2, 1, 8>, 2, 1, "mma norm KS2 U8");
+    mma(gemv_bf16_mma_kernel<true, 4, 1, 8>, 4, 1, "mma norm KS4 U8");
+    mma(gemv_bf16_mma_kernel<true, 8, 1, 8>, 8, 1, "mma norm KS8 U8");
+    mma(gemv_bf16_mma_kernel<true, 4, 1, 4>, 4, 1, "mma norm KS4 U4");
+    mma(gemv_bf16_mma_kernel<true, 8, 1, 4>, 8, 1, "mma norm KS8 U4");
+    mma(gemv_bf16_mma_kernel<true, 2, 4, 8>, 2, 4, "mma norm KS2 NTB4 U8");
+  } else {
+    mma(gemv_bf16_mma_kernel<false, 2, 1, 8>, 2, 1, "mma KS2 U8");
+    mma(gemv_bf16_mma_kernel<false, 4, 1, 8>, 4, 1, "mma KS4 U8");
+    mma(gemv_bf16_mma_kernel<false, 8, 1, 8>, 8, 1, "mma KS8 U8");
+    mma(gemv_bf16_mma_kernel<false, 4, 1, 4>, 4, 1, "mma KS4 U4");
+    mma(gemv_bf16_mma_kernel<false, 8, 1, 4>, 8, 1, "mma KS8 U4");
+    mma(gemv_bf16_mma_kernel<false, 4, 1, 16>, 4, 1, "mma KS4 U16");
+    mma(gemv_bf16_mma_kernel<false, 2, 4, 8>, 2, 4, "mma KS2 NTB4 U8");
+  }
+  auto old = [&](auto kernel, int rows, const char* name) {
+    const int64_t blocks = std::min<int64_t>((n + 4 * rows - 1) / (4 * rows), 8 * sms);
+    time(name, [&](const __nv_bfloat16* p) { kernel<<<unsigned(blocks), 128>>>(p, nullptr, x, y, m, n, k, io); });
+  };
+  if (norm) {
+    old(gemv_dense_kernel<DenseType::kBF16, 1, 2, true>, 2, "cuda-core R2 norm");
+  } else {
+    old(gemv_dense_kernel<DenseType::kBF16, 1, 1, false>, 1, "cuda-core R1");
+    old(gemv_dense_kernel<DenseType::kBF16, 1, 2, false>, 2, "cuda-core R2");
+    old(gemv_dense_kernel<DenseType::kBF16, 1, 4, false>, 4, "cuda-core R4");
+  }
+  CHECK(cudaGetLastError());
+  return 0;
+}
