@@ -37,7 +37,7 @@ std::string kernel_category(const std::string& name) {
   if (has("gemv_mxfp4") || has("gemm_mxfp4")) return "projections (MXFP4)";
   if (has("moe_router") || has("moe_route")) return "router + routing";
   if (has("gemv_int4") || has("gemm_int4")) return "attention projections (INT4)";
-  if (has("gemv_dense") || has("gemm_dense") || has("linear_dense") || has("split_16bit")) return "lm_head / dense";
+  if (has("gemv_dense") || has("gemv_bf16") || has("gemm_dense") || has("linear_dense") || has("split_16bit")) return "lm_head / dense";
   if (has("nvjet") || has("xmma") || has("cutlass") || has("gemmSN")) return "dense GEMM (cuBLASLt)";
   if (has("attention")) return "attention";
   if (has("qk_norm_rope")) return "q/k norm + RoPE + KV write";

@@ -126,15 +126,15 @@ TEST_F(OpsTest, Linear) {
   }
 }
 
-// Prefill-sized 16-bit linears (more than 64 rows) go to cuBLASLt with x split into two 16-bit
+// Prefill-sized 16-bit linears (more than 8 rows) go to cuBLASLt with x split into two 16-bit
 // halves (backend/cuda/cublaslt.h): near-f32, the exact kernel's tolerance, with and without a
 // bias, with shapes that are not multiples of any tile. Where the library is missing the exact
 // kernel runs and the test still holds.
 TEST_F(OpsTest, LinearDensePrefillRows) {
   for (WeightFormat format : {WeightFormat::kBF16, WeightFormat::kF16})
     for (auto [n, k] : {std::pair<int64_t, int64_t>{5120, 2880}, {200, 328}, {1000, 4096}})
-      for (int64_t m : {65, 300}) {
-        const bool bias = m == 65;
+      for (int64_t m : {9, 16, 65, 300}) {
+        const bool bias = m == 65 || m == 9;
         LinearWeight host = random_weight(format, n, k, 0, bias);
         LinearWeight dev = gpu_->upload(host);
         auto x = random(m * k);

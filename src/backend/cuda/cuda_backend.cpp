@@ -709,7 +709,7 @@ class CudaBackend final : public Backend {
   }
 
   // MXFP4 with prefill shapes: dequantised to BF16 (exactly) into scratch, then a dense
-  // tensor-core GEMM (cuBLASLt's above kLibraryGemmMinRows rows, as gemm()). Writing and reading
+  // tensor-core GEMM (cuBLASLt's above library_gemm_min_rows() rows, as gemm()). Writing and reading
   // the BF16 copy costs 4x the weight's own bytes, a small part of a prefill's time (gpt-oss's
   // q/k/v, o and lm_head when quantized at load; its experts take the grouped MXFP4 GEMMs of moe()).
   bool mxfp4_gemm(const LinearWeight& w, const float* x, int64_t m, float* out) {
@@ -720,7 +720,7 @@ class CudaBackend final : public Backend {
     LinearWeight bf16 = w;
     bf16.format = WeightFormat::kBF16;
     bf16.dense = dense.data();
-    if (!(m > kLibraryGemmMinRows && library_gemm(bf16, x, m, out)))
+    if (!(m > library_gemm_min_rows() && library_gemm(bf16, x, m, out)))
       cuda::gemm_dense(cuda::Dense::kBF16, dense.data(), w.bias, x, out, m, w.n, w.k);
     CUDA_CHECK_LAUNCH("gemm");
     return true;
@@ -761,17 +761,26 @@ class CudaBackend final : public Backend {
 
   // Prefill-shaped linears (m > kGemvMaxM) on the tensor cores: interleaved INT4 (f16 activations)
   // and F16/BF16 (near-f32 split activations). False where the weight or x does not qualify.
-  // Dense weights with more than kLibraryGemmMinRows rows go to cuBLASLt with the same split (its
+  // Dense weights with more than library_gemm_min_rows() rows go to cuBLASLt with the same split (its
   // Hopper kernels: gpt-oss-20b's q/k/v and o took 27.6 of a pp2048's 106 ms on ours, H100,
   // BENCHMARKS.md), except with `exact`: the router, whose logits pick the experts, stays on our
   // kernel, which also bounds the tensor cores' truncating f32 accumulation (gemm_dense.cuh).
-  static constexpr int64_t kLibraryGemmMinRows = 64;
+  // From 9 rows (where the GEMVs stop): a 16-token prefill of gpt-oss-20b spent 5.3 of its 13.5 ms
+  // in our kernel's 72 dense projections (73 µs each, H100). NIBBLE_LIBRARY_GEMM_MIN_ROWS=N moves
+  // the bound, for A/B runs.
+  static int64_t library_gemm_min_rows() {
+    static const int64_t rows = [] {
+      const char* env = std::getenv("NIBBLE_LIBRARY_GEMM_MIN_ROWS");
+      return env ? std::max<int64_t>(std::atoll(env), cuda::kGemvMaxM) : cuda::kGemvMaxM;
+    }();
+    return rows;
+  }
   bool gemm(const LinearWeight& w, const float* x, int64_t m, float* out, bool exact = false) {
     if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || w.format == WeightFormat::kMxfp4) return false;
     if (w.format == WeightFormat::kInt4) {
       if (w.int4.layout != Int4Layout::kWarpInterleaved) return false;
       cuda::gemm_int4(int4_device(w), w.bias, x, out, m, w.n, w.k);
-    } else if (!exact && m > kLibraryGemmMinRows && library_gemm(w, x, m, out)) {
+    } else if (!exact && m > library_gemm_min_rows() && library_gemm(w, x, m, out)) {
       // done by cuBLASLt
     } else if (cuda::gemm_dense_supports(dense_type(w.format), w.k)) {
       cuda::gemm_dense(dense_type(w.format), w.dense, w.bias, x, out, m, w.n, w.k);
