@@ -90,23 +90,25 @@ __device__ __forceinline__ void mxfp4_group_dot(const Mxfp4Group& gr, int64_t q,
 }
 
 // A warp's share of one tile: groups kw, kw + KS, ... of rows tile0 + g, tile0 + g + 8 (clamped
-// to n - 1: rows past n are read, never stored), kBatch groups a batch. The first batch is loaded
-// by `start` (before pdl_wait), the rest by `finish`. kDouble: each batch's loads are issued before
-// the products of the previous one (more registers a thread). Measured on gpt-oss-20b's shapes
-// (H100): the single-buffered kernels were faster (MoE down 20 µs a call against 25-28), so they
-// are the default; NIBBLE_MXFP4_DOUBLE=1 selects the other for comparison (backend/cuda/ops.cu).
+// to n - 1: rows past n are read, never stored), B groups a batch. The first batch is loaded by
+// `start` (before pdl_wait), the rest by `finish`. kDouble: each batch's loads are issued before
+// the products of the previous one. With B = 4 that doubled the registers and spilled (MoE down
+// 25 µs a call against 18, gate/up 46 against 26); with B = 2 it holds what the single-buffered
+// 4-group batch holds and was faster alone (gate/up 24.5, down 16.6 µs: the MoE kernels' default,
+// backend/cuda/ops.cu). The GEMV keeps 4 groups single-buffered unless NIBBLE_MXFP4_DOUBLE=1
+// (then 2, double-buffered).
 constexpr int kMxfp4Batch = 4;
 
-template <bool kDouble>
+template <bool kDouble, int B = kMxfp4Batch>
 struct Mxfp4Tile {
-  Mxfp4Group gr[kMxfp4Batch];
+  Mxfp4Group gr[B];
   int64_t rows[2];
   int64_t k, groups;
   int kw, ks;
 
-  __device__ __forceinline__ void load_batch(const Mxfp4Weight& w, int64_t q0, Mxfp4Group (&dst)[kMxfp4Batch]) {
+  __device__ __forceinline__ void load_batch(const Mxfp4Weight& w, int64_t q0, Mxfp4Group (&dst)[B]) {
 #pragma unroll
-    for (int i = 0; i < kMxfp4Batch; ++i)
+    for (int i = 0; i < B; ++i)
       if (q0 + int64_t(i) * ks < groups) mxfp4_group_load(w, rows, k, q0 + int64_t(i) * ks, dst[i]);
   }
 
@@ -120,23 +122,23 @@ struct Mxfp4Tile {
   }
 
   __device__ __forceinline__ void finish(const Mxfp4Weight& w, const uint4* xb, float (&acc)[4]) {
-    const int64_t step = int64_t(ks) * kMxfp4Batch;
+    const int64_t step = int64_t(ks) * B;
     for (int64_t q0 = kw; q0 < groups; q0 += step) {
-      Mxfp4Group next[kMxfp4Batch];
+      Mxfp4Group next[B];
       if constexpr (kDouble) {
         if (q0 + step < groups) load_batch(w, q0 + step, next);
       } else {
         if (q0 != kw) load_batch(w, q0, gr);
       }
 #pragma unroll
-      for (int i = 0; i < kMxfp4Batch; ++i) {
+      for (int i = 0; i < B; ++i) {
         const int64_t q = q0 + int64_t(i) * ks;
         if (q < groups) mxfp4_group_dot(gr[i], q, mxfp4_group_blocks(k, q), xb, acc);
       }
       if constexpr (kDouble) {
         if (q0 + step < groups)
 #pragma unroll
-          for (int i = 0; i < kMxfp4Batch; ++i) gr[i] = next[i];
+          for (int i = 0; i < B; ++i) gr[i] = next[i];
       }
     }
   }
@@ -173,7 +175,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int nt = warp / KS, kw = warp % KS;
   NIBBLE_TIMELINE_BLOCK(kGemvInt4);
-  Mxfp4Tile<kDouble> tile;
+  Mxfp4Tile<kDouble, kDouble ? 2 : kMxfp4Batch> tile;
   tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw, KS);  // weights need no predecessor
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();

@@ -35,7 +35,7 @@ __host__ __device__ constexpr int64_t moe_mxfp4_gate_up_smem(int64_t hidden, int
 // Compute) they took 1.36 waves at 25% occupancy, 30% of DRAM bandwidth.
 constexpr int moe_mxfp4_gate_up_min_blocks(int threads) { return threads <= 256 ? 3 : 1; }
 
-template <int KS, int NTB, bool kDouble>
+template <int KS, int NTB, bool kDouble, int B = kMxfp4Batch>
 __global__ void __launch_bounds__(32 * KS * NTB, moe_mxfp4_gate_up_min_blocks(32 * KS * NTB)) moe_mxfp4_gate_up_kernel(
     const Mxfp4Device* __restrict__ gate_up, int64_t n_experts, const int32_t* __restrict__ ids,
     const float* __restrict__ x, __half* __restrict__ act, int64_t top_k, int64_t inter, int64_t hidden, float alpha,
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(32 * KS * NTB, moe_mxfp4_gate_up_min_blocks(32
   __syncthreads();  // the table and the staged row
   const Mxfp4Device d = table[e];
   const Mxfp4Weight w{d.codes, d.scales};
-  Mxfp4Tile<kDouble> tile;
+  Mxfp4Tile<kDouble, B> tile;
   tile.start(w, tile0, 2 * inter, hidden, kw, KS);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   tile.finish(w, mxfp4_x_units(xs, hidden, 1), acc);
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(32 * KS * NTB, moe_mxfp4_gate_up_min_blocks(32
 // experts' first weights load before the PDL wait, as does the residual it adds to.
 constexpr int kMoeMxfp4DownWarps = 8;
 
-template <bool kDouble>
+template <bool kDouble, int B = kMxfp4Batch>
 __global__ void __launch_bounds__(32 * kMoeMxfp4DownWarps) moe_mxfp4_down_kernel(
     const Mxfp4Device* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
     const __half* __restrict__ act, float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden,
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(32 * kMoeMxfp4DownWarps) moe_mxfp4_down_kernel
   const int ks = kMoeMxfp4DownWarps / int(top_k), s = warp / ks, kw = warp % ks;
   const int64_t tok = blockIdx.y, tile0 = int64_t(blockIdx.x) * 16;
   NIBBLE_TIMELINE_BLOCK(kMoeDown);
-  Mxfp4Tile<kDouble> tile;
+  Mxfp4Tile<kDouble, B> tile;
   Mxfp4Device d{};
   if (s < top_k) {
     d = down[ids[tok * top_k + s]];

@@ -460,7 +460,7 @@ void clamped_swiglu_interleaved(const float* gate_up, int64_t rows, int64_t inte
 static_assert(sizeof(Mxfp4Device) == sizeof(kernels::Mxfp4Device) &&
               offsetof(Mxfp4Device, bias) == offsetof(kernels::Mxfp4Device, bias));
 
-// NIBBLE_MXFP4_DOUBLE=1: the MXFP4 decode kernels' double-buffered variant (kernels/gemv_mxfp4.cuh),
+// NIBBLE_MXFP4_DOUBLE=1: the MXFP4 decode GEMV's double-buffered variant (kernels/gemv_mxfp4.cuh),
 // for measuring one against the other. NIBBLE_MXFP4_GATE_UP_TILES=1: gate/up with one tile a
 // block and 8 warps along K instead of 4 tiles and 2.
 template <typename Fn>
@@ -472,6 +472,12 @@ void dispatch_mxfp4_double(Fn&& fn) {
     fn(std::false_type{});
 }
 
+// The MoE kernels load 2 groups of 128 k a batch and issue the next batch's loads before the
+// products of the current one (kernels/gemv_mxfp4.cuh): the registers of the single-buffered
+// 4-group batch, with loads in flight while the E2M1 decode runs. Alone on gpt-oss's shapes (H100,
+// tools/kernel-bench/moe_mxfp4_bench.cu): gate/up 26.4 -> 24.5 µs, down 17.9 -> 16.6 µs (with 4
+// groups double-buffered they spilled: 46 and 25 µs). NIBBLE_MXFP4_MOE_SINGLE=1: the 4-group
+// single-buffered kernels, for A/B runs.
 void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64_t n_experts, const int32_t* ids,
                       const float* weights, const float* x, void* act, float* out, bool accumulate, int64_t m,
                       int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit) {
@@ -479,9 +485,10 @@ void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64
   const auto* dn = reinterpret_cast<const kernels::Mxfp4Device*>(down);
   auto* act_h = static_cast<__half*>(act);
   static const bool one_tile = std::getenv("NIBBLE_MXFP4_GATE_UP_TILES") != nullptr;
-  dispatch_mxfp4_double([&](auto kDouble) {
+  static const bool single = std::getenv("NIBBLE_MXFP4_MOE_SINGLE") != nullptr;
+  auto run = [&](auto kDouble, auto B) {
     auto gate_up = [&](auto KS, auto NTB) {
-      const auto kernel = kernels::moe_mxfp4_gate_up_kernel<KS.value, NTB.value, kDouble.value>;
+      const auto kernel = kernels::moe_mxfp4_gate_up_kernel<KS.value, NTB.value, kDouble.value, B.value>;
       const size_t smem = size_t(kernels::moe_mxfp4_gate_up_smem(hidden, n_experts));
       allow_smem(kernel, smem);
       launch_pdl_smem(kernel, dim3(unsigned(blocks_for(2 * inter / 16, NTB.value)), unsigned(m * top_k)),
@@ -492,12 +499,16 @@ void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64
       gate_up(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
     else
       gate_up(std::integral_constant<int, 2>{}, std::integral_constant<int, 4>{});
-    const auto down = kernels::moe_mxfp4_down_kernel<kDouble.value>;
+    const auto down = kernels::moe_mxfp4_down_kernel<kDouble.value, B.value>;
     const size_t smem = size_t(kernels::mxfp4_x_bytes(top_k, inter));
     allow_smem(down, smem);
     launch_pdl_smem(down, dim3(unsigned(hidden / 16), unsigned(m)), 32 * kernels::kMoeMxfp4DownWarps, smem, dn, ids,
                     weights, act_h, out, top_k, inter, hidden, accumulate);
-  });
+  };
+  if (single)
+    run(std::false_type{}, std::integral_constant<int, kernels::kMxfp4Batch>{});
+  else
+    run(std::true_type{}, std::integral_constant<int, 2>{});
 }
 
 int64_t mxfp4_scale_stride(int64_t k) { return kernels::mxfp4_scale_stride(k); }
