@@ -308,24 +308,27 @@ __global__ void __launch_bounds__(32 * KS) gemv_dense_split_k_kernel(const void*
 }
 
 // The output side of the tensor-core decode GEMVs (kernels/gemv_mma.cuh, gemv_mxfp4.cuh): a block
-// has NTB 16-row tiles, KS warps along K on each, and m <= kGemvMaxM tokens; its NTB · m · 16
-// outputs are spread over the block's threads. `load` fetches the bias and the values y already
-// holds (the residual, when accumulating) before the products, so those loads overlap the staging
-// and the products instead of following them; `store` adds the KS warps' partial sums in order.
+// has NTB 16-row tiles from tile `base` on, KS warps along K on each, and m <= kGemvMaxM tokens;
+// its NTB · m · 16 outputs are spread over the block's threads. `load` fetches the bias and the
+// values y already holds (the residual, when accumulating) before the products, so those loads
+// overlap the staging and the products instead of following them; `store` adds the KS warps'
+// partial sums in order.
 template <int KS, int NTB>
 struct TileStore {
   static constexpr int kPerThread = (4 + KS - 1) / KS;  // NTB · kGemvMaxM · 16 outputs over 32 · KS · NTB threads
   float prev[kPerThread], b[kPerThread];
+  int64_t base;
 
   // Output j of this thread: tile tn, token mi, row r of the tile; false past the outputs or n.
-  __device__ __forceinline__ static bool at(int j, int m, int64_t n, int& tn, int& mi, int& r, int64_t& row) {
+  __device__ __forceinline__ bool at(int j, int m, int64_t n, int& tn, int& mi, int& r, int64_t& row) const {
     const int idx = threadIdx.x + j * blockDim.x;
     tn = idx / (m * 16), mi = idx / 16 % m, r = idx % 16;
-    row = (int64_t(blockIdx.x) * NTB + tn) * 16 + r;
+    row = (base + tn) * 16 + r;
     return idx < NTB * m * 16 && row < n;
   }
   __device__ __forceinline__ void load(const float* __restrict__ bias, const float* __restrict__ y, int m, int64_t n,
-                                       bool accumulate) {
+                                       bool accumulate, int64_t base_tile) {
+    base = base_tile;
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       int tn, mi, r;

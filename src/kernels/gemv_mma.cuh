@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();
   TileStore<KS, NTB> store;  // the bias and the residual, fetched before the products
-  store.load(bias, y, m, n, io.accumulate);
+  store.load(bias, y, m, n, io.accumulate, int64_t(blockIdx.x) * NTB);
   XRows<kGemvMaxM, kNorm> xr{x, k, m, io.norm, {}};
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));

@@ -95,8 +95,8 @@ __device__ __forceinline__ void mxfp4_group_dot(const Mxfp4Group& gr, int64_t q,
 // the products of the previous one. With B = 4 that doubled the registers and spilled (MoE down
 // 25 µs a call against 18, gate/up 46 against 26); with B = 2 it holds what the single-buffered
 // 4-group batch holds and was faster alone (gate/up 24.5, down 16.6 µs: the MoE kernels' default,
-// backend/cuda/ops.cu). The GEMV keeps 4 groups single-buffered unless NIBBLE_MXFP4_DOUBLE=1
-// (then 2, double-buffered).
+// backend/cuda/ops.cu), as for the GEMV over an lm_head; the GEMV's projections keep 4 groups
+// single-buffered.
 constexpr int kMxfp4Batch = 4;
 
 template <bool kDouble, int B = kMxfp4Batch>
@@ -166,7 +166,9 @@ __device__ __forceinline__ const uint4* mxfp4_x_units(const __half* xs, int64_t 
 }
 
 // y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b), m <= kGemvMaxM. A block has NTB 16-row tiles × KS warps
-// along K; warp (nt, kw) takes groups kw, kw + KS, ... of tile nt.
+// along K; warp (nt, kw) takes groups kw, kw + KS, ... of tile nt. Blocks stride over the tiles when
+// the grid is smaller than n / (16 · NTB) (an lm_head: x is staged once a block, not once for every
+// 16 · NTB rows), the next tile's first batch loaded before the block sums the current one.
 template <bool kNorm, int KS, int NTB, bool kDouble>
 __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weight w, const float* __restrict__ bias,
                                                                        const float* __restrict__ x,
@@ -174,26 +176,36 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
                                                                        int64_t k, GemvIo io) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int nt = warp / KS, kw = warp % KS;
+  const int64_t tiles = (n + 15) / 16, stride = int64_t(gridDim.x) * NTB;
   NIBBLE_TIMELINE_BLOCK(kGemvInt4);
   Mxfp4Tile<kDouble, kDouble ? 2 : kMxfp4Batch> tile;
-  tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw, KS);  // weights need no predecessor
+  int64_t base = int64_t(blockIdx.x) * NTB;
+  if (base + nt < tiles) tile.start(w, (base + nt) * 16, n, k, kw, KS);  // weights need no predecessor
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();
   TileStore<KS, NTB> store;
-  store.load(bias, y, m, n, io.accumulate);
+  store.load(bias, y, m, n, io.accumulate, base);
   XRows<kGemvMaxM, kNorm> xr{x, k, m, io.norm, {}};
   block_inv_rms(xr, k, io.eps);
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   mxfp4_stage_x(xr, k, xs);
   __syncthreads();
   NIBBLE_TIMELINE_MARK();
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile.finish(w, mxfp4_x_units(xs, k, m), acc);
   __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
-  if (2 * t < m) partial[nt][kw][2 * t][g] = acc[0], partial[nt][kw][2 * t][g + 8] = acc[2];
-  if (2 * t + 1 < m) partial[nt][kw][2 * t + 1][g] = acc[1], partial[nt][kw][2 * t + 1][g + 8] = acc[3];
-  __syncthreads();
-  store.store(partial, y, m, n);
+  for (;;) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (base + nt < tiles) tile.finish(w, mxfp4_x_units(xs, k, m), acc);
+    const int64_t next = base + stride;
+    if (next + nt < tiles) tile.start(w, (next + nt) * 16, n, k, kw, KS);
+    if (2 * t < m) partial[nt][kw][2 * t][g] = acc[0], partial[nt][kw][2 * t][g + 8] = acc[2];
+    if (2 * t + 1 < m) partial[nt][kw][2 * t + 1][g] = acc[1], partial[nt][kw][2 * t + 1][g + 8] = acc[3];
+    __syncthreads();
+    store.store(partial, y, m, n);
+    if (next >= tiles) break;
+    base = next;
+    store.load(bias, y, m, n, io.accumulate, base);
+    __syncthreads();  // partial is rewritten by the next tile
+  }
 }
 
 // Checkpoint (row-major) MXFP4 -> the decode layout (words moved and their bits rearranged, scales

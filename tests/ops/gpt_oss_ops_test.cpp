@@ -51,8 +51,8 @@ class GptOssOpsTest : public GpuCompareTest {
 TEST_F(GptOssOpsTest, LinearMxfp4) {
   for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 96}, {5760, 2880}, {201, 4096}, {64, 32}, {48, 128},
                       {32776, 2880}}) {
-    for (int64_t m : {1, 2, 3, 8, 9, 33, 77}) {  // 77: past kLibraryGemmMinRows, cuBLASLt's GEMM on the BF16 copy
-      if (n > 10000 && m != 1 && m != 3) continue;  // lm_head-sized: 4 tiles a block, 3 batches a warp
+    for (int64_t m : {1, 2, 3, 8, 9, 33, 77}) {  // 9 and up: cuBLASLt's GEMM on the BF16 copy
+      if (n > 10000 && m != 1 && m != 3) continue;  // lm_head-sized: blocks striding over 2049 tiles
       LinearWeight host = random_mxfp4(n, k, m % 2 == 1);
       LinearWeight dev = gpu_->upload(host);
       auto x = random(m * k);
@@ -75,21 +75,22 @@ TEST_F(GptOssOpsTest, Mxfp4FusedFormsConcatAndPrepare) {
   const float eps = 1e-5f;
   WeightVector norm_host = host_vector(random(k, 1.f));
   WeightVector norm_dev = gpu_->upload(norm_host);
-  for (int64_t m : {1, 4}) {
-    LinearWeight host = random_mxfp4(200, k, true), dev = gpu_->upload(host);
+  // 32776 rows: an lm_head's 2049 tiles, which the blocks stride over (double-buffered).
+  for (auto [n, m] : {std::pair<int64_t, int64_t>{200, 1}, {200, 4}, {32776, 1}, {32776, 3}}) {
+    LinearWeight host = random_mxfp4(n, k, true), dev = gpu_->upload(host);
     auto x = random(m * k, 3.f);
-    std::vector<float> want(size_t(m * 200));
+    std::vector<float> want(size_t(m * n));
     cpu_->rms_norm_linear(x.data(), norm_host, eps, host, m, want.data());
-    float* out = poisoned_gpu(m * 200);
+    float* out = poisoned_gpu(m * n);
     gpu_->rms_norm_linear(on_gpu(x), norm_dev, eps, dev, m, out);
-    expect_close(to_host(out, m * 200), want, fmt::format("mxfp4 rms_norm_linear m={}", m), kF16Tolerance);
+    expect_close(to_host(out, m * n), want, fmt::format("mxfp4 rms_norm_linear m={} n={}", m, n), kF16Tolerance);
 
-    auto res = random(m * 200, 2.f);
+    auto res = random(m * n, 2.f);
     std::vector<float> want_res = res;
     cpu_->linear_add(host, x.data(), m, want_res.data());
     float* res_dev = on_gpu(res);
     gpu_->linear_add(dev, on_gpu(x), m, res_dev);
-    expect_close(to_host(res_dev, m * 200), want_res, fmt::format("mxfp4 linear_add m={}", m), kF16Tolerance);
+    expect_close(to_host(res_dev, m * n), want_res, fmt::format("mxfp4 linear_add m={} n={}", m, n), kF16Tolerance);
     release_buffers();
   }
   {

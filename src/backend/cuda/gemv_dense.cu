@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <map>
 #include <type_traits>
 #include <utility>
 
@@ -19,20 +18,6 @@ namespace {
 
 // Staged activations above this size would leave one block an SM: the CUDA-core GEMV then.
 constexpr int64_t kDenseMmaMaxSmem = 96 * 1024;
-
-// Blocks of `kernel` that fit an SM at once with `smem` bytes of dynamic shared memory (memoised:
-// captured decode steps launch the same few shapes).
-template <typename... Params>
-int resident_blocks(void (*kernel)(Params...), int threads, size_t smem) {
-  static std::map<std::pair<const void*, size_t>, int> seen;
-  auto [it, first] = seen.try_emplace({reinterpret_cast<const void*>(kernel), smem}, 1);
-  if (first) {
-    int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem) == cudaSuccess && blocks > 0)
-      it->second = blocks;
-  }
-  return it->second;
-}
 
 // Warps along K (KS) a block of one 8-row tile: enough warps to keep ~16 an SM streaming, K split
 // no finer than its batches. gpt-oss's q/k/v (640 tiles) take 4, its o projection (360) and the

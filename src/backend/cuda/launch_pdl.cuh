@@ -1,10 +1,11 @@
 // Launch helpers shared by the CUDA launchers (ops.cu, gemv_dense.cu): programmatic dependent
-// launch (kernels/pdl.cuh states the rule the kernels keep), clusters, the SM count.
+// launch (kernels/pdl.cuh states the rule the kernels keep), clusters, the SM count, occupancy.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <map>
 #include <utility>
 
 namespace nibble::cuda {
@@ -70,6 +71,20 @@ inline unsigned sm_count() {
     return unsigned(n > 0 ? n : 1);
   }();
   return count;
+}
+
+// Blocks of `kernel` that fit an SM at once with `smem` bytes of dynamic shared memory (memoised:
+// captured decode steps launch the same few shapes).
+template <typename... Params>
+inline int resident_blocks(void (*kernel)(Params...), int threads, size_t smem) {
+  static std::map<std::pair<const void*, size_t>, int> seen;
+  auto [it, first] = seen.try_emplace({reinterpret_cast<const void*>(kernel), smem}, 1);
+  if (first) {
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem) == cudaSuccess && blocks > 0)
+      it->second = blocks;
+  }
+  return it->second;
 }
 
 }  // namespace nibble::cuda

@@ -227,16 +227,23 @@ void dispatch_mma_split(int64_t k, Fn&& fn, int64_t m = 1) {
   }
 }
 
+// MXFP4 decode GEMVs with at least this many 16-row tiles (an lm_head) stride over them.
+constexpr int64_t kMxfp4StrideTiles = 2048;
+
 // Warps along K per 16-row tile (KS) and tiles per block (NTB) of the MXFP4 decode GEMV: a warp
-// keeps kMxfp4Batch groups of 128 k in flight, so KS is what lets one batch cover the row (up to
-// 8 warps: K = 4096), and the rest of the block's 8 warps take more tiles. Every block stages x,
-// so where the tiles alone fill the GPU many times over (an lm_head) blocks take 4 tiles.
+// keeps kMxfp4Batch groups of 128 k in flight. Chosen alone on gpt-oss's shapes (H100,
+// tools/kernel-bench/gemv_mxfp4_bench.cu): q/k/v (320 tiles, 6 batches) 4 warps along K (12.2 µs
+// against 14.8 with 8), o (180 tiles, 8 batches) 8 (8.4 µs against 10.7 with 4); an lm_head's
+// thousands of tiles 4 a block of 2 warps each, the blocks striding over them.
 template <typename Fn>
 void dispatch_mxfp4_split(int64_t k, int64_t n, Fn&& fn) {
   using std::integral_constant;
   const int64_t batches = (kernels::mxfp4_groups(k) + kernels::kMxfp4Batch - 1) / kernels::kMxfp4Batch;
-  if (n / 16 >= 2048)
+  const int64_t tiles = (n + 15) / 16, sms = int64_t(sm_count());
+  if (tiles >= kMxfp4StrideTiles)
     fn(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+  else if (batches > 2 && tiles >= 2 * sms)
+    fn(integral_constant<int, 4>{}, integral_constant<int, 1>{});
   else if (batches > 4)
     fn(integral_constant<int, 8>{}, integral_constant<int, 1>{});
   else if (batches > 2)
@@ -460,13 +467,16 @@ void clamped_swiglu_interleaved(const float* gate_up, int64_t rows, int64_t inte
 static_assert(sizeof(Mxfp4Device) == sizeof(kernels::Mxfp4Device) &&
               offsetof(Mxfp4Device, bias) == offsetof(kernels::Mxfp4Device, bias));
 
-// NIBBLE_MXFP4_DOUBLE=1: the MXFP4 decode GEMV's double-buffered variant (kernels/gemv_mxfp4.cuh),
-// for measuring one against the other. NIBBLE_MXFP4_GATE_UP_TILES=1: gate/up with one tile a
-// block and 8 warps along K instead of 4 tiles and 2.
+// The MXFP4 decode GEMV's double-buffered variant (2 groups a batch, kernels/gemv_mxfp4.cuh) for
+// an lm_head (at least kMxfp4StrideTiles tiles): alone, gpt-oss's 201088 x 2880 head took 160 µs
+// against 183 single-buffered (H100, tools/kernel-bench/gemv_mxfp4_bench.cu); the projections were
+// as fast or faster single-buffered, and so was gpt-oss-20b all-MXFP4 end to end (562 against 548
+// tok/s). NIBBLE_MXFP4_DOUBLE=1 takes it everywhere, for A/B runs. NIBBLE_MXFP4_GATE_UP_TILES=1:
+// MoE gate/up with one tile a block and 8 warps along K instead of 4 tiles and 2.
 template <typename Fn>
-void dispatch_mxfp4_double(Fn&& fn) {
+void dispatch_mxfp4_double(bool lm_head, Fn&& fn) {
   static const bool double_buffer = std::getenv("NIBBLE_MXFP4_DOUBLE") != nullptr;
-  if (double_buffer)
+  if (double_buffer || lm_head)
     fn(std::true_type{});
   else
     fn(std::false_type{});
@@ -529,11 +539,14 @@ void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, 
   const size_t smem = size_t(kernels::mxfp4_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_mxfp4_split(k, n, [&](auto KS, auto NTB) {
-      dispatch_mxfp4_double([&](auto kDouble) {
+      dispatch_mxfp4_double((n + 15) / 16 >= kMxfp4StrideTiles, [&](auto kDouble) {
         const auto kernel = kernels::gemv_mxfp4_mma_kernel<kNorm.value, KS.value, NTB.value, kDouble.value>;
+        const int threads = 32 * KS.value * NTB.value;
         allow_smem(kernel, smem);
-        launch_pdl_smem(kernel, blocks_for((n + 15) / 16, NTB.value), 32 * KS.value * NTB.value, smem, w, bias, x,
-                        y, int(m), n, k, to_kernel(io));
+        // At most one wave: the blocks stride over the rest of the tiles (an lm_head).
+        const int64_t resident = int64_t(resident_blocks(kernel, threads, smem)) * int64_t(sm_count());
+        launch_pdl_smem(kernel, unsigned(std::min<int64_t>(blocks_for((n + 15) / 16, NTB.value), resident)), threads,
+                        smem, w, bias, x, y, int(m), n, k, to_kernel(io));
       });
     });
   });
