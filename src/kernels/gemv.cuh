@@ -230,6 +230,7 @@ struct GemvIo {
   const float* norm;
   float eps;
   bool accumulate;
+  float* normed_out = nullptr;  // split-K kernel with the norm: block 0 also writes the normalised rows here
 };
 
 // y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b) for m <= M activation rows. PDL: the first weight rows
@@ -290,6 +291,18 @@ __global__ void __launch_bounds__(32 * KS) gemv_dense_split_k_kernel(const void*
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[mi] = fmaf(wv[i], xv[i], acc[mi]);
     }
+  }
+  if constexpr (kNorm) {
+    // gpt-oss's router: the MoE kernels two launches on read the normalised rows (pdl.cuh), so the
+    // norm needs no launch of its own.
+    if (io.normed_out && blockIdx.x == 0)
+      for (int idx = threadIdx.x; idx < m * int(k / 4); idx += blockDim.x) {
+        const int mi = idx / int(k / 4);
+        const int64_t k0 = 4 * int64_t(idx % int(k / 4));
+        float f[4];
+        xr.template load<4>(mi, k0, f);
+        *reinterpret_cast<float4*>(io.normed_out + mi * k + k0) = make_float4(f[0], f[1], f[2], f[3]);
+      }
   }
   __shared__ float partial[KS][M];
 #pragma unroll

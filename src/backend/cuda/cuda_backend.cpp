@@ -404,9 +404,15 @@ class CudaBackend final : public Backend {
   void rms_norm_moe_add(const WeightVector& norm, float eps, const MoeWeights& w, int64_t m, float* x) override {
     if (const Mxfp4Tables* tables = m <= cuda::kGemvMaxM ? mxfp4_tables(w) : nullptr) {
       Buffer normed(*this, size_t(m * w.router.k) * 4);
-      rms_norm(x, norm, m, w.router.k, eps, normed.data());
       OpProfiler::Scope scope(profiler_, "moe");
-      run_moe_mxfp4(w, *tables, normed.data(), m, x, true);
+      if (w.router.format == WeightFormat::kInt4 || w.router.format == WeightFormat::kMxfp4 || !gemv_layout(w.router)) {
+        rms_norm(x, norm, m, w.router.k, eps, normed.data());
+        run_moe_mxfp4(w, *tables, normed.data(), m, x, true);
+      } else {
+        // The dense router GEMV normalises x itself and writes the normalised rows for the experts.
+        const cuda::GemvIo router_io{norm.data, eps, false, normed.data()};
+        run_moe_mxfp4(w, *tables, normed.data(), m, x, true, &router_io, x);
+      }
       return;
     }
     if (!moe_decode(w, m)) return Backend::rms_norm_moe_add(norm, eps, w, m, x);
@@ -859,12 +865,17 @@ class CudaBackend final : public Backend {
     return tables.get();
   }
   // Router (with its bias), softmax top-k on the device, then the two expert launches.
+  // router_io (a dense router in a GEMV layout): the router reads the rows raw and normalises them
+  // itself, writing the normalised rows to x (router_io->normed_out) for the experts.
   void run_moe_mxfp4(const MoeWeights& w, const Mxfp4Tables& tables, const float* x, int64_t m, float* out,
-                     bool accumulate) {
+                     bool accumulate, const cuda::GemvIo* router_io = nullptr, const float* raw = nullptr) {
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
     Buffer act(*this, size_t(m * K * tables.inter) * 2);  // f16, staged for the down projection
-    linear(w.router, x, m, logits.data(), true);
+    if (router_io)
+      gemv(w.router, raw, m, logits.data(), *router_io);
+    else
+      linear(w.router, x, m, logits.data(), true);
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
     cuda::moe_decode_mxfp4(tables.gate_up.data<cuda::Mxfp4Device>(), tables.down.data<cuda::Mxfp4Device>(), E,
                            ids.data<int32_t>(), weights.data(), x, act.data(), out, accumulate, m, K, tables.inter, H,

@@ -50,6 +50,9 @@ struct GemvIo {
   const float* norm = nullptr;
   float eps = 0.f;
   bool accumulate = false;
+  // With `norm`, gemv_dense also writes the normalised rows here ([m, k] f32): gpt-oss's router,
+  // whose MoE kernels read them (a separate norm launch where the split-K kernel does not run).
+  float* normed_out = nullptr;
 };
 // Decode GEMV (m <= kGemvMaxM activation rows).
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,

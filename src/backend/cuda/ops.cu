@@ -86,7 +86,7 @@ void dispatch_norm(const GemvIo& io, Fn&& fn) {
     fn(std::false_type{});
 }
 
-kernels::GemvIo to_kernel(const GemvIo& io) { return {io.norm, io.eps, io.accumulate}; }
+kernels::GemvIo to_kernel(const GemvIo& io) { return {io.norm, io.eps, io.accumulate, io.normed_out}; }
 
 constexpr unsigned kDenseBlocksPerSm = 8;
 
@@ -100,6 +100,7 @@ struct GemvDense {
                   const GemvIo& io) {
     static const bool no_split = std::getenv("NIBBLE_NO_SPLIT_K_GEMV") != nullptr;  // for A/B runs
     const bool split_k = n <= kDenseSplitKRowsPerSm * int64_t(sm_count()) && k >= 32 * kDenseSplitKWarps * 4 && !no_split;
+    if (io.norm && io.normed_out && !split_k) rms_norm(x, nullptr, nullptr, io.norm, io.normed_out, m, k, io.eps);
     if (T == kernels::DenseType::kBF16 && !split_k && gemv_bf16_mma(w, bias, x, y, m, n, k, io)) return;
     if (split_k) {
       dispatch_norm(io, [&](auto kNorm) {
