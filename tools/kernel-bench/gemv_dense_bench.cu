@@ -12,17 +12,10 @@
 #include <vector>
 
 #include "kernels/gemv_dense_mma.cuh"
+#include "bench_common.cuh"
 
 using namespace nibble::kernels;
-
-#define CHECK(x)                                                                        \
-  do {                                                                                  \
-    cudaError_t e = (x);                                                                \
-    if (e != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));    \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
+using kernel_bench::time_launches;
 
 // The bandwidth ceiling: each thread sums 16-byte units of its share of the matrix.
 __global__ void stream_read_kernel(const uint4* __restrict__ p, int64_t units, float* out) {
@@ -47,36 +40,18 @@ int main(int argc, char** argv) {
   const int m = argc > 3 ? atoi(argv[3]) : 1;
   const bool norm = argc > 4;
   int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int64_t bytes = n * k * 2;
-  const int copies = int(160'000'000 / bytes) + 2;  // more than L2 holds
+  const int copies = kernel_bench::copies_past_l2(bytes);
   std::vector<__nv_bfloat16*> w(copies);
   for (auto& p : w) {
-    CHECK(cudaMalloc(&p, bytes));
+    BENCH_CHECK(cudaMalloc(&p, bytes));
     fill_kernel<<<1024, 256>>>(p, n * k, 7);
   }
-  float *x, *y, *nw;
-  CHECK(cudaMalloc(&x, m * k * 4));
-  CHECK(cudaMalloc(&nw, k * 4));
-  CHECK(cudaMalloc(&y, m * n * 4));
-  std::vector<float> hx(m * k, 0.5f);
-  CHECK(cudaMemcpy(x, hx.data(), m * k * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(nw, hx.data(), k * 4, cudaMemcpyHostToDevice));
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
+  float *x = kernel_bench::device_floats(m * k, 0.5f), *nw = kernel_bench::device_floats(k, 0.5f);
+  float* y = kernel_bench::device_floats(m * n, 0.f);
   auto time = [&](const char* name, auto&& launch) {
-    for (int i = 0; i < 3 * copies; ++i) launch(w[i % copies]);
-    CHECK(cudaDeviceSynchronize());
-    const int reps = 20 * copies;
-    cudaEventRecord(a);
-    for (int i = 0; i < reps; ++i) launch(w[i % copies]);
-    cudaEventRecord(b);
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    const double us = 1000.0 * ms / reps;
-    std::printf("%-40s %8.2f us %7.0f GB/s\n", name, us, bytes / us / 1e3);
+    time_launches(name, double(bytes), copies, 20, [&](int i) { launch(w[i % copies]); });
   };
   const GemvIo io{norm ? nw : nullptr, 1e-6f, false};
   const size_t smem = size_t(dense_mma_x_bytes(m, k));
@@ -125,6 +100,5 @@ int main(int argc, char** argv) {
     old(gemv_dense_kernel<DenseType::kBF16, 1, 2, false>, 2, "cuda-core R2");
     old(gemv_dense_kernel<DenseType::kBF16, 1, 4, false>, 4, "cuda-core R4");
   }
-  CHECK(cudaGetLastError());
   return 0;
 }

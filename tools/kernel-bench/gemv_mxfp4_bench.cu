@@ -11,65 +11,31 @@
 #include <vector>
 
 #include "kernels/gemv_mxfp4.cuh"
+#include "bench_common.cuh"
 
 using namespace nibble::kernels;
-
-#define CHECK(x)                                                                     \
-  do {                                                                               \
-    cudaError_t e = (x);                                                             \
-    if (e != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
-
-__global__ void fill_bytes_kernel(uint8_t* p, int64_t count, uint32_t seed, uint32_t lo, uint32_t span) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    p[i] = uint8_t(lo + (h >> 8) % span);
-  }
-}
+using kernel_bench::fill_bytes_kernel;
+using kernel_bench::time_launches;
 
 int main(int argc, char** argv) {
   const int64_t n = argc > 1 ? atoll(argv[1]) : 5120, k = argc > 2 ? atoll(argv[2]) : 2880;
   const int m = argc > 3 ? atoi(argv[3]) : 1;
   const bool norm = argc > 4;
   const int64_t code_bytes = n * k / 2, scale_bytes = n * mxfp4_scale_stride(k), bytes = code_bytes + scale_bytes;
-  const int copies = int(160'000'000 / bytes) + 2;
+  const int copies = kernel_bench::copies_past_l2(bytes);
   std::vector<Mxfp4Weight> w(copies);
   for (int c = 0; c < copies; ++c) {
     uint8_t *codes, *scales;
-    CHECK(cudaMalloc(&codes, code_bytes));
-    CHECK(cudaMalloc(&scales, scale_bytes));
+    BENCH_CHECK(cudaMalloc(&codes, code_bytes));
+    BENCH_CHECK(cudaMalloc(&scales, scale_bytes));
     fill_bytes_kernel<<<512, 256>>>(codes, code_bytes, 3 * c, 0, 256);
     fill_bytes_kernel<<<64, 256>>>(scales, scale_bytes, 3 * c + 1, 110, 20);
     w[c] = {codes, scales};
   }
-  float *x, *y, *nw;
-  CHECK(cudaMalloc(&x, m * k * 4));
-  CHECK(cudaMalloc(&nw, k * 4));
-  CHECK(cudaMalloc(&y, m * n * 4));
-  std::vector<float> hx(m * k, 0.5f);
-  CHECK(cudaMemcpy(x, hx.data(), m * k * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(nw, hx.data(), k * 4, cudaMemcpyHostToDevice));
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
+  float *x = kernel_bench::device_floats(m * k, 0.5f), *nw = kernel_bench::device_floats(k, 0.5f);
+  float* y = kernel_bench::device_floats(m * n, 0.f);
   auto time = [&](const char* name, auto&& launch) {
-    for (int i = 0; i < 3 * copies; ++i) launch(w[i % copies]);
-    CHECK(cudaDeviceSynchronize());
-    const int reps = 20 * copies;
-    cudaEventRecord(a);
-    for (int i = 0; i < reps; ++i) launch(w[i % copies]);
-    cudaEventRecord(b);
-    CHECK(cudaEventSynchronize(b));
-    CHECK(cudaGetLastError());
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    const double us = 1000.0 * ms / reps;
-    std::printf("%-44s %8.2f us %7.0f GB/s\n", name, us, bytes / us / 1e3);
+    time_launches(name, double(bytes), copies, 20, [&](int i) { launch(w[i % copies]); });
   };
   const GemvIo io{norm ? nw : nullptr, 1e-6f, false};
   const size_t smem = size_t(mxfp4_x_bytes(m, k));

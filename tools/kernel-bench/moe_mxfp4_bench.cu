@@ -13,35 +13,19 @@
 #include <vector>
 
 #include "kernels/moe_mxfp4.cuh"
+#include "bench_common.cuh"
 
 using namespace nibble::kernels;
-
-#define CHECK(x)                                                                     \
-  do {                                                                               \
-    cudaError_t e = (x);                                                             \
-    if (e != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
-
-__global__ void fill_bytes_kernel(uint8_t* p, int64_t count, uint32_t seed, uint32_t lo, uint32_t span) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    p[i] = uint8_t(lo + (h >> 8) % span);
-  }
-}
+using kernel_bench::fill_bytes_kernel;
 
 Mxfp4Device make_matrix(int64_t n, int64_t k, uint32_t seed) {
   uint8_t *codes, *scales;
   float* bias;
   const int64_t code_bytes = n * k / 2, scale_bytes = n * mxfp4_scale_stride(k);
-  CHECK(cudaMalloc(&codes, code_bytes));
-  CHECK(cudaMalloc(&scales, scale_bytes));
-  CHECK(cudaMalloc(&bias, n * 4));
-  CHECK(cudaMemset(bias, 0, n * 4));
+  BENCH_CHECK(cudaMalloc(&codes, code_bytes));
+  BENCH_CHECK(cudaMalloc(&scales, scale_bytes));
+  BENCH_CHECK(cudaMalloc(&bias, n * 4));
+  BENCH_CHECK(cudaMemset(bias, 0, n * 4));
   fill_bytes_kernel<<<512, 256>>>(codes, code_bytes, seed, 0, 256);
   fill_bytes_kernel<<<64, 256>>>(scales, scale_bytes, seed + 1, 110, 20);  // biased E8M0, finite
   return {codes, scales, bias};
@@ -53,10 +37,10 @@ int main(int argc, char** argv) {
   std::vector<Mxfp4Device> gu(E), dn(E);
   for (int64_t e = 0; e < E; ++e) gu[e] = make_matrix(2 * inter, hidden, 11 * e), dn[e] = make_matrix(hidden, inter, 13 * e + 5);
   Mxfp4Device *d_gu, *d_dn;
-  CHECK(cudaMalloc(&d_gu, E * sizeof(Mxfp4Device)));
-  CHECK(cudaMalloc(&d_dn, E * sizeof(Mxfp4Device)));
-  CHECK(cudaMemcpy(d_gu, gu.data(), E * sizeof(Mxfp4Device), cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_dn, dn.data(), E * sizeof(Mxfp4Device), cudaMemcpyHostToDevice));
+  BENCH_CHECK(cudaMalloc(&d_gu, E * sizeof(Mxfp4Device)));
+  BENCH_CHECK(cudaMalloc(&d_dn, E * sizeof(Mxfp4Device)));
+  BENCH_CHECK(cudaMemcpy(d_gu, gu.data(), E * sizeof(Mxfp4Device), cudaMemcpyHostToDevice));
+  BENCH_CHECK(cudaMemcpy(d_dn, dn.data(), E * sizeof(Mxfp4Device), cudaMemcpyHostToDevice));
   const int sets = 64;
   std::vector<int32_t> ids(sets * top_k);
   std::vector<float> weights(sets * top_k, 1.f / float(top_k));
@@ -75,37 +59,23 @@ int main(int argc, char** argv) {
   int32_t* d_ids;
   float *d_w, *x, *out;
   __half* act;
-  CHECK(cudaMalloc(&d_ids, ids.size() * 4));
-  CHECK(cudaMalloc(&d_w, weights.size() * 4));
-  CHECK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_w, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMalloc(&x, hidden * 4));
-  CHECK(cudaMalloc(&out, hidden * 4));
-  CHECK(cudaMalloc(&act, top_k * inter * 2));
+  BENCH_CHECK(cudaMalloc(&d_ids, ids.size() * 4));
+  BENCH_CHECK(cudaMalloc(&d_w, weights.size() * 4));
+  BENCH_CHECK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CHECK(cudaMemcpy(d_w, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CHECK(cudaMalloc(&x, hidden * 4));
+  BENCH_CHECK(cudaMalloc(&out, hidden * 4));
+  BENCH_CHECK(cudaMalloc(&act, top_k * inter * 2));
   std::vector<float> hx(hidden, 0.25f);
-  CHECK(cudaMemcpy(x, hx.data(), hidden * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemset(act, 0, top_k * inter * 2));
+  BENCH_CHECK(cudaMemcpy(x, hx.data(), hidden * 4, cudaMemcpyHostToDevice));
+  BENCH_CHECK(cudaMemset(act, 0, top_k * inter * 2));
   const double gu_bytes = double(top_k) * (2 * inter * hidden / 2 + 2 * inter * mxfp4_scale_stride(hidden));
   const double dn_bytes = double(top_k) * (hidden * inter / 2 + hidden * mxfp4_scale_stride(inter));
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
   auto time = [&](const char* name, double bytes, auto&& launch) {
-    for (int i = 0; i < sets; ++i) launch(i);
-    CHECK(cudaDeviceSynchronize());
-    const int reps = 10 * sets;
-    cudaEventRecord(a);
-    for (int i = 0; i < reps; ++i) launch(i % sets);
-    cudaEventRecord(b);
-    CHECK(cudaEventSynchronize(b));
-    CHECK(cudaGetLastError());
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    const double us = 1000.0 * ms / reps;
-    std::printf("%-44s %8.2f us %7.0f GB/s\n", name, us, bytes / us / 1e3);
+    kernel_bench::time_launches(name, bytes, sets, 10, [&](int i) { launch(i % sets); });
   };
   int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::printf("E=%lld hidden=%lld inter=%lld top_k=%lld, %d SMs; gate/up %.1f MB, down %.1f MB a launch\n", (long long)E,
               (long long)hidden, (long long)inter, (long long)top_k, sms, gu_bytes / 1e6, dn_bytes / 1e6);
   const size_t gu_smem = size_t(moe_mxfp4_gate_up_smem(hidden, E));
