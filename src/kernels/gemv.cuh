@@ -1,5 +1,6 @@
 // Small-M matrix-vector products for decode (M = 1..8 activation rows) of dense (f32/f16/bf16)
-// weights: the router and the lm_head. Every weight byte is read once with 16-byte loads,
+// weights on the CUDA cores: the routers, f32/f16 weights, and BF16 shapes the tensor-core GEMV
+// (kernels/gemv_dense_mma.cuh) does not take. Every weight byte is read once with 16-byte loads,
 // coalesced across the warp. One warp computes R output rows; the activation values a lane needs
 // are loaded once per K-chunk into registers and reused for all R rows. The INT4 decode products
 // run on the tensor cores (kernels/gemv_mma.cuh); the helpers here that they share are the
