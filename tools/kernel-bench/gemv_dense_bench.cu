@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/gemv_dense_mma.cuh"
@@ -73,22 +74,20 @@ int main(int argc, char** argv) {
   time("stream read (132 x 4 blocks of 256)", [&](const __nv_bfloat16* p) {
     stream_read_kernel<<<sms * 4, 256>>>(reinterpret_cast<const uint4*>(p), bytes / 16, y);
   });
-  if (norm) {
-    mma(gemv_bf16_mma_kernel<true, 2, 1, 8>, 2, 1, "mma norm KS2 U8");
-    mma(gemv_bf16_mma_kernel<true, 4, 1, 8>, 4, 1, "mma norm KS4 U8");
-    mma(gemv_bf16_mma_kernel<true, 8, 1, 8>, 8, 1, "mma norm KS8 U8");
-    mma(gemv_bf16_mma_kernel<true, 4, 1, 4>, 4, 1, "mma norm KS4 U4");
-    mma(gemv_bf16_mma_kernel<true, 8, 1, 4>, 8, 1, "mma norm KS8 U4");
-    mma(gemv_bf16_mma_kernel<true, 2, 4, 8>, 2, 4, "mma norm KS2 NTB4 U8");
-  } else {
-    mma(gemv_bf16_mma_kernel<false, 2, 1, 8>, 2, 1, "mma KS2 U8");
-    mma(gemv_bf16_mma_kernel<false, 4, 1, 8>, 4, 1, "mma KS4 U8");
-    mma(gemv_bf16_mma_kernel<false, 8, 1, 8>, 8, 1, "mma KS8 U8");
-    mma(gemv_bf16_mma_kernel<false, 4, 1, 4>, 4, 1, "mma KS4 U4");
-    mma(gemv_bf16_mma_kernel<false, 8, 1, 4>, 8, 1, "mma KS8 U4");
-    mma(gemv_bf16_mma_kernel<false, 4, 1, 16>, 4, 1, "mma KS4 U16");
-    mma(gemv_bf16_mma_kernel<false, 2, 4, 8>, 2, 4, "mma KS2 NTB4 U8");
-  }
+  auto variants = [&](auto kNorm) {
+    constexpr bool N = decltype(kNorm)::value;
+    mma(gemv_bf16_mma_kernel<N, 2, 1, 8>, 2, 1, "mma KS2 U8");
+    mma(gemv_bf16_mma_kernel<N, 4, 1, 8>, 4, 1, "mma KS4 U8");
+    mma(gemv_bf16_mma_kernel<N, 8, 1, 8>, 8, 1, "mma KS8 U8");
+    mma(gemv_bf16_mma_kernel<N, 4, 1, 4>, 4, 1, "mma KS4 U4");
+    mma(gemv_bf16_mma_kernel<N, 8, 1, 4>, 8, 1, "mma KS8 U4");
+    mma(gemv_bf16_mma_kernel<N, 4, 1, 16>, 4, 1, "mma KS4 U16");
+    mma(gemv_bf16_mma_kernel<N, 2, 4, 8>, 2, 4, "mma KS2 NTB4 U8");
+  };
+  if (norm)
+    variants(std::true_type{});
+  else
+    variants(std::false_type{});
   auto old = [&](auto kernel, int rows, const char* name) {
     const int64_t blocks = std::min<int64_t>((n + 4 * rows - 1) / (4 * rows), 8 * sms);
     time(name, [&](const __nv_bfloat16* p) { kernel<<<unsigned(blocks), 128>>>(p, nullptr, x, y, m, n, k, io); });

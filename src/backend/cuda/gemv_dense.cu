@@ -19,21 +19,22 @@ namespace {
 // Staged activations above this size would leave one block an SM: the CUDA-core GEMV then.
 constexpr int64_t kDenseMmaMaxSmem = 96 * 1024;
 
-// Warps along K (KS) a block of one 8-row tile: enough warps to keep ~16 an SM streaming, K split
-// no finer than its batches. gpt-oss's q/k/v (640 tiles) take 4, its o projection (360) and the
-// lm_heads (tens of thousands of tiles, the blocks striding over them) 8: the fastest of
-// KS 2/4/8 x tiles a block 1/4 x units 4/8/16 on those shapes (tools/kernel-bench, H100).
+// Warps along K (KS) of a block, which takes one 8-row tile: enough warps to keep ~16 an SM
+// streaming, K split no finer than its batches. gpt-oss's q/k/v (640 tiles) take 4, its o
+// projection (360) and the lm_heads (tens of thousands of tiles, the blocks striding over them) 8:
+// the fastest of KS 2/4/8 x tiles a block 1/4 x units 4/8/16 on those shapes (tools/kernel-bench,
+// H100).
 template <typename Fn>
 void dispatch_dense_mma_split(int64_t tiles, int64_t batches, Fn&& fn) {
   using std::integral_constant;
   const int64_t sms = int64_t(sm_count());
   const bool few_tiles = tiles * 4 < 16 * sms, many_tiles = tiles >= 32 * sms;
   if (batches >= 8 && (few_tiles || many_tiles))
-    fn(integral_constant<int, 8>{}, integral_constant<int, 1>{});
+    fn(integral_constant<int, 8>{});
   else if (batches >= 4)
-    fn(integral_constant<int, 4>{}, integral_constant<int, 1>{});
+    fn(integral_constant<int, 4>{});
   else
-    fn(integral_constant<int, 2>{}, integral_constant<int, 1>{});
+    fn(integral_constant<int, 2>{});
 }
 
 }  // namespace
@@ -50,13 +51,12 @@ bool gemv_bf16_mma(const void* w, const float* bias, const float* x, float* y, i
   const auto* weights = static_cast<const __nv_bfloat16*>(w);
   const kernels::GemvIo kio{io.norm, io.eps, io.accumulate};
   auto go = [&](auto kNorm) {
-    dispatch_dense_mma_split(tiles, batches, [&](auto KS, auto NTB) {
-      const auto kernel = kernels::gemv_bf16_mma_kernel<kNorm.value, KS.value, NTB.value>;
-      const int threads = 32 * KS.value * NTB.value;
+    dispatch_dense_mma_split(tiles, batches, [&](auto KS) {
+      const auto kernel = kernels::gemv_bf16_mma_kernel<kNorm.value, KS.value, 1>;
+      const int threads = 32 * KS.value;
       allow_smem(kernel, smem);
-      const int64_t blocks = (tiles + NTB.value - 1) / NTB.value;
       const int64_t resident = int64_t(resident_blocks(kernel, threads, smem)) * int64_t(sm_count());
-      launch_pdl_smem(kernel, unsigned(std::min(blocks, resident)), threads, smem, weights, bias, x, y, int(m), n, k,
+      launch_pdl_smem(kernel, unsigned(std::min(tiles, resident)), threads, smem, weights, bias, x, y, int(m), n, k,
                       kio);
     });
   };
