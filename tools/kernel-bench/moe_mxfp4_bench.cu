@@ -8,11 +8,13 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <random>
 #include <vector>
 
 #include "kernels/moe_mxfp4.cuh"
+#include "kernels/moe_mxfp4_stream.cuh"
 #include "bench_common.cuh"
 
 using namespace nibble::kernels;
@@ -114,6 +116,49 @@ int main(int argc, char** argv) {
                                                                                   inter, hidden, true);
     });
   };
+  // Streamed kernels (kernels/moe_mxfp4_stream.cuh): W consumer warps, `stages` tiles a block, at
+  // most per_sm blocks an SM (0: as many as fit).
+  auto stream_grid = [&](auto kernel, int w, size_t smem, int64_t items, int per_sm_cap, int* per_sm) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, 32 * (w + 1), smem);
+    if (per_sm_cap > 0 && *per_sm > per_sm_cap) *per_sm = per_sm_cap;
+    return unsigned(std::min<int64_t>(items, int64_t(*per_sm) * sms));
+  };
+  auto gate_up_stream = [&](auto kernel, int w, int stages, int cap) {
+    const size_t smem = size_t(mxfp4_stream_smem(hidden, stages, w, mxfp4_x_bytes(1, hidden)));
+    int per_sm = 0;
+    const unsigned grid = stream_grid(kernel, w, smem, top_k * (2 * inter / 16), cap, &per_sm);
+    char label[96];
+    std::snprintf(label, sizeof label, "gate/up stream W%d S%d (%u blocks, %d/SM, %zu KB)", w, stages, grid, per_sm,
+                  smem / 1024);
+    time(label, gu_bytes, [&](int s) {
+      kernel<<<grid, 32 * (w + 1), smem>>>(d_gu, d_ids + s * top_k, x, act, top_k, top_k, inter, hidden, 1.702f, 7.f,
+                                           stages);
+    });
+  };
+  for (int stages : {2, 3, 4}) gate_up_stream(moe_mxfp4_gate_up_stream_kernel<8>, 8, stages, 0);
+  for (int stages : {2, 3}) gate_up_stream(moe_mxfp4_gate_up_stream_kernel<8, 3>, 8, stages, 0);
+  gate_up_stream(moe_mxfp4_gate_up_stream_kernel<8, 4>, 8, 2, 0);
+  gate_up_stream(moe_mxfp4_gate_up_stream_kernel<4>, 4, 2, 0);
+  gate_up_stream(moe_mxfp4_gate_up_stream_kernel<4, 6>, 4, 2, 0);
+  gate_up_stream(moe_mxfp4_gate_up_stream_kernel<12>, 12, 2, 0);
+  gate_up_stream(moe_mxfp4_gate_up_stream_kernel<16>, 16, 2, 0);
+  auto down_stream = [&](auto kernel, int w, int stages, int cap) {
+    const size_t smem = size_t(mxfp4_stream_smem(inter, stages, w, 0));
+    int per_sm = 0;
+    const unsigned grid = stream_grid(kernel, w, smem, hidden / 16, cap, &per_sm);
+    char label[96];
+    std::snprintf(label, sizeof label, "down stream W%d S%d (%u blocks, %d/SM, %zu KB)", w, stages, grid, per_sm,
+                  smem / 1024);
+    time(label, dn_bytes, [&](int s) {
+      kernel<<<grid, 32 * (w + 1), smem>>>(d_dn, d_ids + s * top_k, d_w + s * top_k, act, out, 1, top_k, inter,
+                                           hidden, true, stages);
+    });
+  };
+  for (int stages : {2, 3, 4}) down_stream(moe_mxfp4_down_stream_kernel<8>, 8, stages, 0);
+  for (int stages : {2, 3}) down_stream(moe_mxfp4_down_stream_kernel<8, 4>, 8, stages, 0);
+  down_stream(moe_mxfp4_down_stream_kernel<12>, 12, 2, 0);
+  down_stream(moe_mxfp4_down_stream_kernel<16>, 16, 2, 0);
   down(moe_mxfp4_down_kernel<false>, "down (default)");
   down(moe_mxfp4_down_kernel<true>, "down double");
   down(moe_mxfp4_down_kernel<true, 2>, "down double B2");

@@ -814,6 +814,7 @@ class CudaBackend final : public Backend {
   struct Mxfp4Tables {
     bool usable = false;
     bool fold_scales = false;  // every scale in the prefill kernels' f16 folding range
+    bool aligned = true;       // every matrix's codes and scales 16-byte aligned (streamed decode)
     int64_t inter = 0;
     Buffer gate_up, down;
   };
@@ -839,6 +840,8 @@ class CudaBackend final : public Backend {
         return nullptr;
       gate_up.push_back({e.gate_up.mxfp4.codes, e.gate_up.mxfp4.scales, e.gate_up.bias});
       down.push_back({e.down.mxfp4.codes, e.down.mxfp4.scales, e.down.bias});
+      for (const void* p : {e.gate_up.mxfp4.codes, e.gate_up.mxfp4.scales, e.down.mxfp4.codes, e.down.mxfp4.scales})
+        tables->aligned = tables->aligned && reinterpret_cast<uintptr_t>(p) % 16 == 0;
     }
     if (gate_up.empty() || w.top_k > cuda::kMoeDecodeMaxTopK || w.router.n > cuda::kMoeMaxExperts || H % 16 != 0)
       return nullptr;
@@ -879,7 +882,7 @@ class CudaBackend final : public Backend {
     moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
     cuda::moe_decode_mxfp4(tables.gate_up.data<cuda::Mxfp4Device>(), tables.down.data<cuda::Mxfp4Device>(), E,
                            ids.data<int32_t>(), weights.data(), x, act.data(), out, accumulate, m, K, tables.inter, H,
-                           w.swiglu_alpha, w.swiglu_limit);
+                           w.swiglu_alpha, w.swiglu_limit, tables.aligned);
     CUDA_CHECK_LAUNCH("moe_decode_mxfp4");
   }
 

@@ -84,10 +84,11 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
 // over MXFP4 experts (device arrays of n_experts Mxfp4Device; gate_up rows interleaved gate_j,
 // up_j, biases, the clamped SwiGLU with alpha and limit): act is scratch of m·top_k·inter halves;
 // out = (accumulate ? out : 0) + Σ weight · expert(x) (kernels/moe_mxfp4.cuh). top_k <=
-// kMoeDecodeMaxTopK, hidden % 16 == 0, inter % 32 == 0.
+// kMoeDecodeMaxTopK, hidden % 16 == 0, inter % 32 == 0. aligned: every matrix's codes and scales
+// are 16-byte aligned (the streamed kernels' bulk copies need it: kernels/moe_mxfp4_stream.cuh).
 void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64_t n_experts, const int32_t* ids,
                       const float* weights, const float* x, void* act, float* out, bool accumulate, int64_t m,
-                      int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit);
+                      int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit, bool aligned);
 // MXFP4 (k % 32 == 0): the checkpoint's row-major codes [n][k/2] and scales [n][k/32] -> the
 // decode layout (out_scales: n · mxfp4_scale_stride(k) bytes), device to device.
 int64_t mxfp4_scale_stride(int64_t k);

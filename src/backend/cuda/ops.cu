@@ -22,6 +22,7 @@
 #include "kernels/linear.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/moe_mxfp4.cuh"
+#include "kernels/moe_mxfp4_stream.cuh"
 #include "kernels/norm.cuh"
 
 namespace nibble::cuda {
@@ -483,18 +484,81 @@ void dispatch_mxfp4_double(bool lm_head, Fn&& fn) {
     fn(std::false_type{});
 }
 
+// The streamed MoE kernels (kernels/moe_mxfp4_stream.cuh): 8 consumer warps and a producer a block,
+// kMxfp4StreamStages stages (NIBBLE_MXFP4_STREAM_STAGES), fewer where K is larger, none (the
+// register kernels) below 2. Alone on gpt-oss's shapes (H100, tools/kernel-bench/moe_mxfp4_bench.cu):
+// 2 stages and 2-3 blocks an SM beat 3, 4, 6 or 8 stages with fewer blocks (gate/up 21.0 µs at 2
+// stages against 25.0 at 6-8; down 13.7 against 18.6-19.5): the consumers' E2M1 decode is the limit,
+// not the bytes in flight, so what counts is warps an SM.
+constexpr int kMxfp4StreamWarps = 8;
+constexpr int kMxfp4StreamStages = 2;
+constexpr int kMxfp4StreamGateUpBlocks = 3;  // registers for 3 blocks an SM
+
+static int mxfp4_stream_stages(int64_t k, int64_t extra) {
+  static const int optin = [] {
+    int bytes = 0;
+    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
+    return bytes;
+  }();
+  static const int wanted = [] {
+    const char* env = std::getenv("NIBBLE_MXFP4_STREAM_STAGES");
+    return env ? std::max(2, std::atoi(env)) : kMxfp4StreamStages;
+  }();
+  const int64_t per_stage = kernels::mxfp4_stream_smem(k, 1, kMxfp4StreamWarps, 0) -
+                            kernels::mxfp4_stream_smem(k, 0, kMxfp4StreamWarps, 0);
+  const int64_t fit = (optin - 2048 - kernels::mxfp4_stream_smem(k, 0, kMxfp4StreamWarps, extra)) / per_stage;
+  return int(std::min<int64_t>(wanted, fit));
+}
+
+// sm_90+ (bulk copies; clusters come with them), whole tiles, room for 2 stages.
+// NIBBLE_MXFP4_MOE_REGS=1: the register kernels, for A/B runs.
+static bool moe_mxfp4_streamed(bool aligned, int64_t m, int64_t inter, int64_t hidden) {
+  static const bool off = std::getenv("NIBBLE_MXFP4_MOE_REGS") != nullptr;
+  return !off && aligned && clusters_supported() && hidden % 16 == 0 && inter % 8 == 0 &&
+         mxfp4_stream_stages(hidden, kernels::mxfp4_x_bytes(m, hidden)) >= 2 && mxfp4_stream_stages(inter, 0) >= 2;
+}
+
+static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kernels::Mxfp4Device* dn, const int32_t* ids,
+                               const float* weights, const float* x, __half* act, float* out, bool accumulate,
+                               int64_t m, int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit) {
+  constexpr int W = kMxfp4StreamWarps, threads = 32 * (W + 1);
+  const int64_t sms = int64_t(sm_count());
+  {
+    const int64_t extra = kernels::mxfp4_x_bytes(m, hidden);
+    const int stages = mxfp4_stream_stages(hidden, extra);
+    const size_t smem = size_t(kernels::mxfp4_stream_smem(hidden, stages, W, extra));
+    const auto kernel = kernels::moe_mxfp4_gate_up_stream_kernel<W, kMxfp4StreamGateUpBlocks>;
+    allow_smem(kernel, smem);
+    const int64_t items = m * top_k * (2 * inter / 16), resident = resident_blocks(kernel, threads, smem) * sms;
+    launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, gu, ids, x, act, m * top_k, top_k,
+                    inter, hidden, alpha, limit, stages);
+  }
+  {
+    const int stages = mxfp4_stream_stages(inter, 0);
+    const size_t smem = size_t(kernels::mxfp4_stream_smem(inter, stages, W, 0));
+    const auto kernel = kernels::moe_mxfp4_down_stream_kernel<W>;
+    allow_smem(kernel, smem);
+    const int64_t items = m * (hidden / 16), resident = resident_blocks(kernel, threads, smem) * sms;
+    launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, dn, ids, weights,
+                    static_cast<const __half*>(act), out, m, top_k, inter, hidden, accumulate, stages);
+  }
+}
+
 // The MoE kernels load 2 groups of 128 k a batch and issue the next batch's loads before the
 // products of the current one (kernels/gemv_mxfp4.cuh): the registers of the single-buffered
 // 4-group batch, with loads in flight while the E2M1 decode runs. Alone on gpt-oss's shapes (H100,
 // tools/kernel-bench/moe_mxfp4_bench.cu): gate/up 26.4 -> 24.5 µs, down 17.9 -> 16.6 µs (with 4
 // groups double-buffered they spilled: 46 and 25 µs). NIBBLE_MXFP4_MOE_SINGLE=1: the 4-group
-// single-buffered kernels, for A/B runs.
+// single-buffered kernels, for A/B runs. The streamed kernels take every shape they can.
 void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64_t n_experts, const int32_t* ids,
                       const float* weights, const float* x, void* act, float* out, bool accumulate, int64_t m,
-                      int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit) {
+                      int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit, bool aligned) {
   const auto* gu = reinterpret_cast<const kernels::Mxfp4Device*>(gate_up);
   const auto* dn = reinterpret_cast<const kernels::Mxfp4Device*>(down);
   auto* act_h = static_cast<__half*>(act);
+  if (moe_mxfp4_streamed(aligned, m, inter, hidden))
+    return moe_decode_mxfp4_streamed(gu, dn, ids, weights, x, act_h, out, accumulate, m, top_k, inter, hidden, alpha,
+                                     limit);
   static const bool one_tile = std::getenv("NIBBLE_MXFP4_GATE_UP_TILES") != nullptr;
   static const bool single = std::getenv("NIBBLE_MXFP4_MOE_SINGLE") != nullptr;
   auto run = [&](auto kDouble, auto B) {
