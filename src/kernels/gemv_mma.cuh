@@ -36,6 +36,7 @@
 #include "kernels/gemv.cuh"
 #include "kernels/int4_weight.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/moe_route.cuh"
 #include "kernels/pdl.cuh"
 #include "kernels/timeline.cuh"
 
@@ -280,13 +281,14 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   store.store(partial, y, m, n);
 }
 
-// MoE decode, stage 1: for token t and slot s (expert e = ids[t, s]), act[t, s] =
-// silu(gate_e · x_t) * (up_e · x_t), x_t RMS-normalised first when kNorm. act is written as f16
-// in the decode mma order of a row of `inter` (stage 2 stages it with plain copies). A block has
-// KS warps along K on one 16-row tile of gate and KS on the same tile of up. Before the PDL wait
-// the block copies both expert tables (the matrices' descriptors) into shared memory and stages
-// its token's row, so after it the first weight load follows the expert id by a shared-memory
-// read, not another L2 trip, and the products follow the weights.
+// MoE decode, stage 1: for token t and slot s (expert e = ids[t, s], or with logits the s-th
+// choice of the router's logits for t), act[t, s] = silu(gate_e · x_t) * (up_e · x_t), x_t
+// RMS-normalised first when kNorm. act is written as f16 in the decode mma order of a row of
+// `inter` (stage 2 stages it with plain copies). A block has KS warps along K on one 16-row tile
+// of gate and KS on the same tile of up. Before the PDL wait the block stages its token's row and
+// either copies both expert tables (the matrices' descriptors) into shared memory (ids: after the
+// wait the first weight load follows the expert id by a shared-memory read, not another L2 trip)
+// or pulls them into L1 (logits).
 // Shared memory: the staged row, then copies of both expert tables.
 __host__ __device__ constexpr int64_t moe_gate_up_tables_offset(int64_t hidden) {
   return (mma_x_bytes(1, hidden) + 15) / 16 * 16;
@@ -298,17 +300,29 @@ __host__ __device__ constexpr int64_t moe_gate_up_smem_bytes(int64_t hidden, int
 template <int CPG, bool kNorm, int KS>
 __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
     const Int4Weight* __restrict__ gate, const Int4Weight* __restrict__ up, int64_t n_experts,
-    const int32_t* __restrict__ ids, const float* __restrict__ x, __half* __restrict__ act, int64_t top_k,
+    const int32_t* __restrict__ ids, const float* __restrict__ logits, const __half* __restrict__ xn,
+    const float* __restrict__ x, __half* __restrict__ act, int64_t top_k,
     int64_t inter, int64_t hidden, const float* __restrict__ norm, float eps) {
   static_assert(sizeof(Int4Weight) % 8 == 0);
   constexpr int kWords = int(sizeof(Int4Weight) / 8);
   NIBBLE_TIMELINE_BLOCK(kMoeGateUp);
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   auto* tables = reinterpret_cast<Int4Weight*>(dynamic_smem() + moe_gate_up_tables_offset(hidden));
-  for (int64_t i = threadIdx.x; i < 2 * n_experts * kWords; i += blockDim.x) {  // [gate | up]
-    const int64_t per_table = n_experts * kWords;
-    const auto* src = reinterpret_cast<const uint64_t*>(i < per_table ? gate : up);
-    reinterpret_cast<uint64_t*>(tables)[i] = __ldg(src + i % per_table);
+  if (logits) {
+    // Routing here: the expert is known ~1 µs after the wait, so the tables are only pulled into
+    // L1 now. Copying them (12 KB a block through L2) took gate/up's pre-wait part to ~6 µs,
+    // which the old router's 7 µs hid and the logits-only router's 2 µs does not.
+    const int64_t lines = (n_experts * int64_t(sizeof(Int4Weight)) + 127) / 128 + 1;
+    if (threadIdx.x < 2 * lines) {
+      const char* table = reinterpret_cast<const char*>(threadIdx.x < lines ? gate : up);
+      prefetch_l1(table + 128 * (threadIdx.x % lines));
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < 2 * n_experts * kWords; i += blockDim.x) {  // [gate | up]
+      const int64_t per_table = n_experts * kWords;
+      const auto* src = reinterpret_cast<const uint64_t*>(i < per_table ? gate : up);
+      reinterpret_cast<uint64_t*>(tables)[i] = __ldg(src + i % per_table);
+    }
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int h = warp / KS, kw = warp % KS;  // h: 0 gate, 1 up
@@ -319,14 +333,38 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
   // stands between the wait and the first weight load. Staged after the wait, it queued behind
   // those weight loads: 6.5 of the kernel's 10.4 µs passed before the products could start
   // (in-kernel timeline, BENCHMARKS.md).
-  XRows<1, kNorm> xr{x + (slot / top_k) * hidden, hidden, 1, norm, {}};
-  mma_stage_x_normed(xr, int(hidden), eps, xs, int(mma_x_stride(hidden)));
+  // With xn the router staged the row already (normalised, f16, in mma order): it is copied after
+  // the wait, its loads issued before the routing rounds so that the two L2 trips overlap.
+  if (!xn) {
+    XRows<1, kNorm> xr{x + (slot / top_k) * hidden, hidden, 1, norm, {}};
+    mma_stage_x_normed(xr, int(hidden), eps, xs, int(mma_x_stride(hidden)));
+  }
   NIBBLE_TIMELINE_MARK();
   pdl_enter();  // the experts come from the router, the previous kernel
   NIBBLE_TIMELINE_WAITED();
-  const int32_t e = ids[slot];
+  constexpr int kXnUnits = 2;  // 16-byte units a thread in the first pass
+  const int xn_units = int(hidden / 8);
+  const uint4* xn_row = xn ? reinterpret_cast<const uint4*>(xn + (slot / top_k) * hidden) : nullptr;
+  uint4 xu[kXnUnits];
+#pragma unroll
+  for (int j = 0; j < kXnUnits; ++j) {
+    const int u = threadIdx.x + j * int(blockDim.x);
+    if (xn_row && u < xn_units) xu[j] = __ldcg(xn_row + u);
+  }
+  // With logits the router left the routing to this kernel: every warp picks its slot's expert
+  // itself (s + 1 arg-max rounds over the token's logits), no routing launch, no shared memory.
+  const int32_t e = logits ? route_choice(logits + (slot / top_k) * n_experts, n_experts, slot % top_k) : ids[slot];
+  if (xn_row) {
+#pragma unroll
+    for (int j = 0; j < kXnUnits; ++j) {
+      const int u = threadIdx.x + j * int(blockDim.x);
+      if (u < xn_units) reinterpret_cast<uint4*>(xs)[u] = xu[j];
+    }
+    for (int u = threadIdx.x + kXnUnits * int(blockDim.x); u < xn_units; u += blockDim.x)
+      reinterpret_cast<uint4*>(xs)[u] = __ldcg(xn_row + u);
+  }
   __syncthreads();  // the tables and the staged row
-  const Int4Weight w = tables[h * n_experts + e];
+  const Int4Weight w = logits ? (h ? up : gate)[e] : tables[h * n_experts + e];
   MmaTile<CPG, KS> tile;
   tile.start(w, tile0, inter, hidden, kw);
   float acc[kMmaChains][4] = {};
@@ -346,7 +384,8 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
 // MoE decode, stage 2: out[t, :] (+)= Σ_s weight[t, s] · (down_e · act[t, s]). A block has one
 // warp per slot (top_k <= kMoeDownSlots) on one 16-row tile of one token, so all slots' weights
 // stream at once; the slots' partial sums meet in shared memory and are added in slot order. The
-// routing was written two launches back (by the router, before stage 1), so the experts' weights
+// routing (ids and weights, or with logits the router's logits, which warp 0 routes into shared
+// memory) was written two launches back (by the router, before stage 1), so the experts' weights
 // load before pdl_wait (see pdl.cuh), and so does the residual it adds to (last written before
 // the router).
 constexpr int kMoeDownSlots = 8;
@@ -354,15 +393,32 @@ constexpr int kMoeDownSlots = 8;
 template <int CPG>
 __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
     const Int4Weight* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
-    const __half* __restrict__ act, float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden,
-    bool accumulate) {
+    const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
+    float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate) {
   const int s = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t tok = blockIdx.y, tile0 = int64_t(blockIdx.x) * 16;
   NIBBLE_TIMELINE_BLOCK(kMoeDown);
+  // With logits, warp s picks its own slot's expert (route_choice) and starts its loads, keeping
+  // the choice's logit for the weights at the end (choice 0 holds the maximum; renormalised over
+  // the top k the softmax's full sum cancels, otherwise warp 0 makes it).
+  __shared__ float s_logit[kMoeDownSlots], s_sum;
+  const float* tok_logits = logits ? logits + tok * n_experts : nullptr;
   MmaTile<CPG, 1> tile;
   Int4Weight wd{};
   if (s < top_k) {
-    wd = down[ids[tok * top_k + s]];
+    int32_t e;
+    if (tok_logits) {
+      float logit;
+      e = route_choice(tok_logits, n_experts, s, &logit);
+      if (lane == 0) s_logit[s] = logit;
+      if (s == 0 && !normalize) {
+        const float sum = route_softmax_sum(tok_logits, n_experts, logit);
+        if (lane == 0) s_sum = sum;
+      }
+    } else {
+      e = ids[tok * top_k + s];
+    }
+    wd = down[e];
     tile.start(wd, tile0, hidden, inter, 0);
   }
   // The residual this adds to was last written before the router, two launches back.
@@ -383,7 +439,17 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   __syncthreads();
   if (mine) {
     float total = 0.f;
-    for (int64_t j = 0; j < top_k; ++j) total += weights[tok * top_k + j] * partial[j][threadIdx.x];
+    if (tok_logits) {
+      const float mx = s_logit[0];
+      float sum = 0.f;
+      if (normalize)
+        for (int64_t j = 0; j < top_k; ++j) sum += expf(s_logit[j] - mx);
+      else
+        sum = s_sum;
+      for (int64_t j = 0; j < top_k; ++j) total += expf(s_logit[j] - mx) / sum * partial[j][threadIdx.x];
+    } else {
+      for (int64_t j = 0; j < top_k; ++j) total += weights[tok * top_k + j] * partial[j][threadIdx.x];
+    }
     out[tok * hidden + tile0 + threadIdx.x] = prev + total;
   }
 }

@@ -1,6 +1,5 @@
-// MoE routing and the row movement around per-expert GEMMs. route: one warp per token; lanes hold
-// n_experts/32 logits each, the softmax and each of the top-k arg-max rounds are warp reductions
-// (lower id wins ties, as the CPU reference does). gather/scatter move token rows to and from an expert's contiguous batch;
+// MoE routing and the row movement around per-expert GEMMs. route: one warp per token
+// (moe_route.cuh). gather/scatter move token rows to and from an expert's contiguous batch;
 // scatter_add_weighted accumulates `weight · row` into the token's output row. A token's top-k
 // experts are distinct, and one launch handles one expert, so no two threads add to one element.
 #pragma once
@@ -9,85 +8,16 @@
 
 #include <cstdint>
 
+#include "kernels/gemm_layout.h"
 #include "kernels/gemv.cuh"
 #include "kernels/mma.cuh"
+#include "kernels/moe_route.cuh"
 #include "kernels/pdl.cuh"
 #include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
 
 constexpr int64_t kMoeMaxTopK = 32;
-
-constexpr int kMoeMaxExpertsPerLane = 16;  // 512 experts
-
-// Routes one token, by one warp: softmax over logits[n_experts], top_k arg-max rounds, ids and
-// weights [top_k] written by lanes 0..top_k-1. Logits are read through L2 (__ldcg): in the fused
-// router they were written by other blocks of the same kernel; kShared: from shared memory.
-template <bool kShared = false, int kMaxPerLane = kMoeMaxExpertsPerLane>
-__device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t n_experts, int64_t top_k,
-                                            bool normalize, int32_t* __restrict__ ids,
-                                            float* __restrict__ weights) {
-  const int lane = threadIdx.x % 32;
-  // Only the first `per_lane` slots hold experts (4 for 128 experts): the unrolled loops stop
-  // there, which keeps the 8 serial arg-max rounds short; v stays in registers.
-  const int per_lane = int((n_experts + 31) / 32);
-  float v[kMaxPerLane];  // expert lane + 32 i
-  float mx = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kMaxPerLane; ++i) {
-    if (i >= per_lane) break;
-    const int64_t e = lane + 32 * i;
-    v[i] = e < n_experts ? (kShared ? l[e] : __ldcg(l + e)) : -INFINITY;
-    mx = fmaxf(mx, v[i]);
-  }
-  for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < kMaxPerLane; ++i) {
-    if (i >= per_lane) break;
-    if (lane + 32 * i < n_experts) sum += expf(v[i] - mx);
-  }
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  // The arg-max rounds on order-preserving integer keys: one warp max (redux.sync) finds the best
-  // logit, one warp min the lowest expert holding it (the CPU reference's tie rule), instead of
-  // five shuffle rounds of (value, id) pairs per choice. Taken and absent experts have key 0.
-  uint32_t key[kMaxPerLane];
-#pragma unroll
-  for (int i = 0; i < kMaxPerLane; ++i) {
-    if (i >= per_lane) break;
-    const uint32_t u = __float_as_uint(v[i] + 0.f);  // -0 -> +0: equal logits, equal keys
-    key[i] = lane + 32 * i < n_experts ? ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) : 0u;
-  }
-  float chosen_p = 0.f, top_sum = 0.f;  // lane j keeps the j-th choice
-  int32_t chosen = -1;
-  for (int64_t j = 0; j < top_k; ++j) {
-    uint32_t best = 0;
-#pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) {
-      if (i >= per_lane) break;
-      best = max(best, key[i]);
-    }
-    best = __reduce_max_sync(0xffffffffu, best);
-    uint32_t candidate = 0xffffffffu;
-#pragma unroll
-    for (int i = kMaxPerLane - 1; i >= 0; --i)  // the lowest i holding it wins
-      if (i < per_lane && key[i] == best) candidate = uint32_t(lane + 32 * i);
-    const int32_t best_e = int32_t(__reduce_min_sync(0xffffffffu, candidate));
-    const float logit = __uint_as_float((best & 0x80000000u) ? (best & 0x7fffffffu) : ~best);
-    const float p = expf(logit - mx) / sum;
-    top_sum += p;
-    if (lane == j) chosen = best_e, chosen_p = p;
-#pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) {
-      if (i >= per_lane) break;
-      if (lane + 32 * i == best_e) key[i] = 0u;  // taken
-    }
-  }
-  if (lane < top_k) {
-    ids[lane] = chosen;
-    weights[lane] = chosen_p / (normalize ? top_sum : 1.f);
-  }
-}
 
 __global__ void moe_route_kernel(const float* __restrict__ logits, int64_t m, int64_t n_experts,
                                  int64_t top_k, bool normalize, int32_t* __restrict__ ids,
@@ -293,6 +223,88 @@ __global__ void __launch_bounds__(32 * kRouterClusterWarps) moe_router_cluster_k
   }
   cluster.barrier_wait();
 #endif
+}
+
+// The router's logits only, one warp per expert row, kRouterLogitsWarps warps a block: the
+// routing is left to the expert kernels (moe_gate_up_int4_mma_kernel picks its slot's expert with
+// route_choice after its wait; moe_down_int4_mma_kernel routes its token with route_token before
+// its wait, the logits being two launches back by then). This takes the cross-block meeting and
+// the routing warp off the critical path: in the in-kernel timeline they were ~4.8 of the cluster
+// router's 7.0 µs a layer, its products done 2.2 µs after the wait. Small blocks spread the 0.5 MB
+// over ~32 SMs instead of 8. No staging: each lane reads the x elements of its own weight vectors
+// straight from L2 (one round trip, all loads issued at once) and the warp sums x² beside the dot
+// products, so the RMS norm needs no block reduction: logit = (w · (γ ⊙ x)) · rsqrt(mean(x²) + eps).
+// Since every warp then holds the whole normalised row, warps 0..7 also write it for gate/up as
+// f16 in the decode mma order (xn [m][hidden], when given; the launcher passes it only where a
+// lane's vectors are all in registers, moe_router_logits_xn): gate/up copies it after its wait
+// instead of staging it before (a block reduction and ~3 µs from its start, which kept its
+// release ~2 µs behind this kernel's end).
+constexpr int kRouterLogitsWarps = 4;
+
+template <DenseType T, bool kNorm>
+__global__ void __launch_bounds__(32 * kRouterLogitsWarps) moe_router_logits_kernel(
+    const void* __restrict__ w, const float* __restrict__ x, int m, int64_t n_experts, int64_t hidden,
+    const float* __restrict__ norm, float eps, float* __restrict__ logits, __half* __restrict__ xn) {
+  constexpr int V = RouterRow<T>::V;
+  const int lane = threadIdx.x % 32;
+  NIBBLE_TIMELINE_BLOCK(kMoeRouter);
+  const int64_t row = int64_t(blockIdx.x) * kRouterLogitsWarps + threadIdx.x / 32;
+  RouterRow<T> rw;
+  rw.load(w, row, n_experts, hidden);
+  pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
+  if (!rw.valid) return;
+  for (int mi = 0; mi < m; ++mi) {
+    const float* xr = x + mi * hidden;
+    float xv[kRouterVecs][V], gv[kRouterVecs][V];
+#pragma unroll
+    for (int i = 0; i < kRouterVecs; ++i) {  // every load of the lane's vectors first
+      const int64_t k0 = int64_t(V) * (lane + 32 * i);
+#pragma unroll
+      for (int e = 0; e < V; e += 4) {
+        const bool in = k0 < hidden;
+        const float4 a = in ? __ldcg(reinterpret_cast<const float4*>(xr + k0 + e)) : make_float4(0, 0, 0, 0);
+        const float4 b = kNorm && in ? __ldg(reinterpret_cast<const float4*>(norm + k0 + e)) : make_float4(1, 1, 1, 1);
+        xv[i][e] = a.x, xv[i][e + 1] = a.y, xv[i][e + 2] = a.z, xv[i][e + 3] = a.w;
+        gv[i][e] = b.x, gv[i][e + 1] = b.y, gv[i][e + 2] = b.z, gv[i][e + 3] = b.w;
+      }
+    }
+    float dot = 0.f, ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < kRouterVecs; ++i) {
+      const int64_t k0 = int64_t(V) * (lane + 32 * i);
+      if (k0 >= hidden) break;
+      float wv[V];
+      DenseVec<T>::load(&rw.wr[i], wv);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        ss = fmaf(xv[i][e], xv[i][e], ss);
+        dot = fmaf(wv[e], gv[i][e] * xv[i][e], dot);
+      }
+    }
+    for (int64_t k0 = int64_t(V) * (lane + 32 * kRouterVecs); k0 < hidden; k0 += 32 * V) {  // past 8 vectors a lane
+      float wv[V];
+      DenseVec<T>::load(rw.wrow + k0 * RouterRow<T>::kElem, wv);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float xe = __ldcg(xr + k0 + e), ge = kNorm ? __ldg(norm + k0 + e) : 1.f;
+        ss = fmaf(xe, xe, ss);
+        dot = fmaf(wv[e], ge * xe, dot);
+      }
+    }
+    const float inv = kNorm ? rsqrtf(warp_sum(ss) / float(hidden) + eps) : 1.f;
+    dot = warp_sum(dot) * inv;
+    if (lane == 0) logits[mi * n_experts + row] = dot;
+    if (xn && row < kRouterVecs) {
+#pragma unroll
+      for (int i = 0; i < kRouterVecs; ++i) {  // warp `row` writes vector i = row of every lane
+        const int64_t k0 = int64_t(V) * (lane + 32 * i);
+        if (i != row || k0 >= hidden) continue;
+#pragma unroll
+        for (int e = 0; e < V; ++e) xn[mi * hidden + gemv_mma_x_half(k0 + e)] = __float2half_rn(xv[i][e] * inv * gv[i][e]);
+      }
+    }
+  }
 }
 
 __global__ void gather_rows_kernel(const float* __restrict__ src, const int32_t* __restrict__ rows,

@@ -31,6 +31,7 @@
 #include "kernels/activation.cuh"
 #include "kernels/bulk_copy.cuh"
 #include "kernels/gemv_mxfp4.cuh"
+#include "kernels/moe_route.cuh"
 
 namespace nibble::kernels {
 
@@ -191,20 +192,45 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
   }
 }
 
+// The routing of the block's m tokens in shared memory: read from ids and weights [m, top_k], or
+// with logits routed here, warp i taking token i (route_token). The caller synchronises (the
+// runner's first barrier) before anything reads it.
+struct Mxfp4StreamRouting {
+  int32_t ids[kGemvMaxM * 8];
+  float weights[kGemvMaxM * 8];
+
+  __device__ __forceinline__ void load(const int32_t* __restrict__ g_ids, const float* __restrict__ g_weights,
+                                       const float* __restrict__ logits, int64_t n_experts, bool normalize, int64_t m,
+                                       int64_t top_k) {
+    if (logits) {
+      for (int64_t tok = threadIdx.x / 32; tok < m; tok += blockDim.x / 32)
+        route_token(logits + tok * n_experts, n_experts, top_k, normalize, ids + tok * top_k, weights + tok * top_k);
+      return;
+    }
+    for (int64_t i = threadIdx.x; i < m * top_k; i += blockDim.x)
+      ids[i] = g_ids[i], weights[i] = g_weights ? g_weights[i] : 0.f;
+  }
+};
+
 // Gate/up: items are (slot, 16-row tile of 2·inter), slot-major; x holds the m = slots / top_k
 // tokens' normed rows, written before the router (two launches back), so they are staged before
-// the wait. The epilogue adds the biases and writes the clamped SwiGLU of the tile's 8 (gate, up)
-// pairs to act as f16 in the down projection's staged order.
+// the wait; the routing after it (the router's logits come from the previous kernel). The
+// epilogue adds the biases and writes the clamped SwiGLU of the tile's 8 (gate, up) pairs to act
+// as f16 in the down projection's staged order.
 template <int W, int kMinBlocks = 1>
 __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_stream_kernel(
-    const Mxfp4Device* __restrict__ gate_up, const int32_t* __restrict__ ids, const float* __restrict__ x,
-    __half* __restrict__ act, int64_t slots, int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit,
-    int stages) {
+    const Mxfp4Device* __restrict__ gate_up, const int32_t* __restrict__ g_ids, const float* __restrict__ logits,
+    int64_t n_experts, const float* __restrict__ x, __half* __restrict__ act, int64_t slots, int64_t top_k,
+    int64_t inter, int64_t hidden, float alpha, float limit, int stages) {
   NIBBLE_TIMELINE_BLOCK(kMoeGateUp);
   const int64_t tiles = 2 * inter / 16;
   __half* xs = reinterpret_cast<__half*>(dynamic_smem() + mxfp4_stream_extra_offset(hidden, stages, W));
   mxfp4_stage_x(XRows<kGemvMaxM, false>{x, hidden, int(slots / top_k), nullptr, {}}, hidden, xs);
   NIBBLE_TIMELINE_MARK();
+  __shared__ Mxfp4StreamRouting routing;
+  pdl_wait();
+  routing.load(g_ids, nullptr, logits, n_experts, false, slots / top_k, top_k);
+  const int32_t* ids = routing.ids;
   mxfp4_stream<W, false, false>(
       slots * tiles, 1, hidden, stages,
       [&](int64_t it, int) {
@@ -230,15 +256,20 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
 }
 
 // Down: items are (token, 16-row tile of hidden), each the token's top_k slots in turn. The
-// routing was written two launches back, so the first stages load before the wait.
+// routing (or the router's logits, routed here) was written two launches back, so the first
+// stages load before the wait.
 // out = (accumulate ? out : 0) + Σ_slot weight · (down rows · act + bias).
 template <int W, int kMinBlocks = 1>
 __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_down_stream_kernel(
-    const Mxfp4Device* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
-    const __half* __restrict__ act, float* __restrict__ out, int64_t m, int64_t top_k, int64_t inter,
-    int64_t hidden, bool accumulate, int stages) {
+    const Mxfp4Device* __restrict__ down, const int32_t* __restrict__ g_ids, const float* __restrict__ g_weights,
+    const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
+    float* __restrict__ out, int64_t m, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate, int stages) {
   NIBBLE_TIMELINE_BLOCK(kMoeDown);
   const int64_t tiles = hidden / 16;
+  __shared__ Mxfp4StreamRouting routing;
+  routing.load(g_ids, g_weights, logits, n_experts, normalize, m, top_k);
+  const int32_t* ids = routing.ids;
+  const float* weights = routing.weights;
   mxfp4_stream<W, true, true>(
       m * tiles, int(top_k), inter, stages,
       [&](int64_t it, int l) {

@@ -756,12 +756,26 @@ class CudaBackend final : public Backend {
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k, inter = w.experts[0].gate.n;
     Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
     Buffer act(*this, size_t(m * K * inter) * 2);  // f16, in the decode mma order
-    cuda::moe_router(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(), K,
-                     w.normalize, ids.data<int32_t>(), weights.data(), route_counter_.data<unsigned>());
+    Buffer xn(*this, size_t(m * H) * 2);             // the normalised rows, f16, staged by the router
+    // The router writes only logits and the expert kernels route for themselves (one warp's arg-max
+    // rounds each, instead of a cross-block meeting on the critical path). NIBBLE_MOE_ROUTER_ROUTES=1:
+    // the router routes (a thread-block cluster), as before, for A/B runs.
+    static const bool router_routes = std::getenv("NIBBLE_MOE_ROUTER_ROUTES") != nullptr;
+    cuda::MoeRouting routing;
+    if (router_routes) {
+      cuda::moe_router(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(), K,
+                       w.normalize, ids.data<int32_t>(), weights.data(), route_counter_.data<unsigned>());
+      routing.ids = ids.data<int32_t>(), routing.weights = weights.data();
+    } else {
+      if (cuda::moe_router_logits(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(),
+                                  xn.data()))
+        routing.xn = xn.data();
+      routing.logits = logits.data(), routing.normalize = w.normalize;
+    }
     CUDA_CHECK_LAUNCH("moe_router");
     cuda::moe_decode_int4(tables->gate.data<cuda::Int4Device>(), tables->up.data<cuda::Int4Device>(),
-                          tables->down.data<cuda::Int4Device>(), E, tables->group_shift, ids.data<int32_t>(),
-                          weights.data(), x, norm, eps, act.data(), out, accumulate, m, K, inter, H);
+                          tables->down.data<cuda::Int4Device>(), E, tables->group_shift, routing, x, norm, eps,
+                          act.data(), out, accumulate, m, K, inter, H);
     CUDA_CHECK_LAUNCH("moe_decode_int4");
   }
 
@@ -879,10 +893,19 @@ class CudaBackend final : public Backend {
       gemv(w.router, raw, m, logits.data(), *router_io);
     else
       linear(w.router, x, m, logits.data(), true);
-    moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
+    // The streamed expert kernels route for themselves from the logits (no routing launch);
+    // NIBBLE_MOE_ROUTER_ROUTES=1 keeps the routing launch, for A/B runs.
+    static const bool route_launch = std::getenv("NIBBLE_MOE_ROUTER_ROUTES") != nullptr;
+    cuda::MoeRouting routing;
+    if (!route_launch && cuda::moe_mxfp4_streamed(tables.aligned, m, tables.inter, H)) {
+      routing.logits = logits.data(), routing.normalize = w.normalize;
+    } else {
+      moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
+      routing.ids = ids.data<int32_t>(), routing.weights = weights.data();
+    }
     cuda::moe_decode_mxfp4(tables.gate_up.data<cuda::Mxfp4Device>(), tables.down.data<cuda::Mxfp4Device>(), E,
-                           ids.data<int32_t>(), weights.data(), x, act.data(), out, accumulate, m, K, tables.inter, H,
-                           w.swiglu_alpha, w.swiglu_limit, tables.aligned);
+                           routing, x, act.data(), out, accumulate, m, K, tables.inter, H, w.swiglu_alpha,
+                           w.swiglu_limit, tables.aligned);
     CUDA_CHECK_LAUNCH("moe_decode_mxfp4");
   }
 

@@ -71,23 +71,43 @@ constexpr int64_t kMoeRouterMaxStagedBytes = 160 * 1024;
 void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden,
                 const float* norm, float eps, float* logits, int64_t top_k, bool normalize, int32_t* ids,
                 float* weights, unsigned* counter);
-// MoE decode for m <= kGemvMaxM tokens with device-side routing (ids/weights [m, top_k]): the
-// tables hold each expert's gate/up/down matrix (device arrays of Int4Device, n_experts long),
-// all with the same group_shift; act is scratch of m * top_k * inter halves. x is normalised with `norm`
-// when non-null; out += result when accumulate. top_k <= kMoeDecodeMaxTopK.
+// The router's logits [m, n_experts] only (x normalised with `norm` when non-null), m <= kGemvMaxM,
+// hidden % the weight's vector: the MoE decode kernels route from them (MoeRouting::logits).
+// Where the shapes allow it, also the normalised rows as the INT4 expert kernels stage them (f16,
+// m * hidden halves in xn; scratch of that size): returns whether it wrote them.
+bool moe_router_logits(Dense type, const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden,
+                       const float* norm, float eps, float* logits, void* xn);
+// Where the MoE decode kernels find each token's experts: ids and weights [m, top_k] from a routing
+// launch, or, with logits ([m, n_experts] from moe_router_logits), the kernels route for
+// themselves (softmax top-k, the weights renormalised over the top k when normalize); xn: the
+// staged rows moe_router_logits wrote, or null.
+struct MoeRouting {
+  const int32_t* ids = nullptr;
+  const float* weights = nullptr;
+  const float* logits = nullptr;
+  bool normalize = false;
+  const void* xn = nullptr;
+};
+// MoE decode for m <= kGemvMaxM tokens with device-side routing: the tables hold each expert's
+// gate/up/down matrix (device arrays of Int4Device, n_experts long), all with the same
+// group_shift; act is scratch of m * top_k * inter halves. x is normalised with `norm` when
+// non-null; out += result when accumulate. top_k <= kMoeDecodeMaxTopK.
 constexpr int64_t kMoeDecodeMaxTopK = 8;
 void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down, int64_t n_experts,
-                     int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
-                     const float* norm, float eps, void* act, float* out, bool accumulate, int64_t m,
-                     int64_t top_k, int64_t inter, int64_t hidden);
-// gpt-oss's MoE for m <= kGemvMaxM tokens with the routing on the device (ids/weights [m, top_k])
-// over MXFP4 experts (device arrays of n_experts Mxfp4Device; gate_up rows interleaved gate_j,
-// up_j, biases, the clamped SwiGLU with alpha and limit): act is scratch of m·top_k·inter halves;
-// out = (accumulate ? out : 0) + Σ weight · expert(x) (kernels/moe_mxfp4.cuh). top_k <=
-// kMoeDecodeMaxTopK, hidden % 16 == 0, inter % 32 == 0. aligned: every matrix's codes and scales
-// are 16-byte aligned (the streamed kernels' bulk copies need it: kernels/moe_mxfp4_stream.cuh).
-void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64_t n_experts, const int32_t* ids,
-                      const float* weights, const float* x, void* act, float* out, bool accumulate, int64_t m,
+                     int64_t group_shift, const MoeRouting& routing, const float* x, const float* norm, float eps,
+                     void* act, float* out, bool accumulate, int64_t m, int64_t top_k, int64_t inter,
+                     int64_t hidden);
+// gpt-oss's MoE for m <= kGemvMaxM tokens with the routing on the device over MXFP4 experts
+// (device arrays of n_experts Mxfp4Device; gate_up rows interleaved gate_j, up_j, biases, the
+// clamped SwiGLU with alpha and limit): act is scratch of m·top_k·inter halves; out = (accumulate ?
+// out : 0) + Σ weight · expert(x) (kernels/moe_mxfp4.cuh). top_k <= kMoeDecodeMaxTopK, hidden % 16
+// == 0, inter % 32 == 0. aligned: every matrix's codes and scales are 16-byte aligned (the
+// streamed kernels' bulk copies need it: kernels/moe_mxfp4_stream.cuh). The routing may be logits
+// only where moe_mxfp4_streamed(...) holds (the streamed kernels route for themselves); the
+// register kernels read ids and weights.
+bool moe_mxfp4_streamed(bool aligned, int64_t m, int64_t inter, int64_t hidden);
+void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64_t n_experts,
+                      const MoeRouting& routing, const float* x, void* act, float* out, bool accumulate, int64_t m,
                       int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit, bool aligned);
 // MXFP4 (k % 32 == 0): the checkpoint's row-major codes [n][k/2] and scales [n][k/32] -> the
 // decode layout (out_scales: n · mxfp4_scale_stride(k) bytes), device to device.

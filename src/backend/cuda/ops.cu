@@ -33,12 +33,13 @@ unsigned blocks_for(int64_t threads_total, int threads_per_block) {
 }
 
 template <template <kernels::DenseType> class Fn, typename... Args>
-void dispatch_dense(Dense type, Args... args) {
+auto dispatch_dense(Dense type, Args... args) {
   switch (type) {
-    case Dense::kF32: Fn<kernels::DenseType::kF32>::run(args...); break;
-    case Dense::kF16: Fn<kernels::DenseType::kF16>::run(args...); break;
-    case Dense::kBF16: Fn<kernels::DenseType::kBF16>::run(args...); break;
+    case Dense::kF32: return Fn<kernels::DenseType::kF32>::run(args...);
+    case Dense::kF16: return Fn<kernels::DenseType::kF16>::run(args...);
+    case Dense::kBF16: break;
   }
+  return Fn<kernels::DenseType::kBF16>::run(args...);
 }
 
 constexpr int kLinearWarps = 8;
@@ -169,6 +170,27 @@ struct MoeRouter {
   }
 };
 
+template <kernels::DenseType T>
+struct MoeRouterLogits {
+  // xn is written where every lane's vectors of a row are in registers and there are warps for
+  // all of them.
+  static bool run(const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden, const float* norm,
+                  float eps, float* logits, void* xn) {
+    const int64_t vecs = hidden / (32 * kernels::DenseVec<T>::kPerVec);
+    if (vecs > kernels::kRouterVecs || vecs > n_experts) xn = nullptr;
+    auto go = [&](auto kNorm) {
+      launch_pdl(kernels::moe_router_logits_kernel<T, kNorm.value>,
+                 blocks_for(n_experts, kernels::kRouterLogitsWarps), 32 * kernels::kRouterLogitsWarps, w, x, int(m),
+                 n_experts, hidden, norm, eps, logits, static_cast<__half*>(xn));
+    };
+    if (norm)
+      go(std::true_type{});
+    else
+      go(std::false_type{});
+    return xn != nullptr;
+  }
+};
+
 }  // namespace
 
 void fill_random(void* dst, int kind, int64_t count, float lo, float hi, uint64_t seed) {
@@ -284,10 +306,15 @@ void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_
                             counter);
 }
 
+bool moe_router_logits(Dense type, const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden,
+                       const float* norm, float eps, float* logits, void* xn) {
+  return dispatch_dense<MoeRouterLogits>(type, w, x, m, n_experts, hidden, norm, eps, logits, xn);
+}
+
 void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down, int64_t n_experts,
-                     int64_t group_shift, const int32_t* ids, const float* weights, const float* x,
-                     const float* norm, float eps, void* act, float* out, bool accumulate, int64_t m,
-                     int64_t top_k, int64_t inter, int64_t hidden) {
+                     int64_t group_shift, const MoeRouting& routing, const float* x, const float* norm, float eps,
+                     void* act, float* out, bool accumulate, int64_t m, int64_t top_k, int64_t inter,
+                     int64_t hidden) {
   const auto* g = reinterpret_cast<const kernels::Int4Weight*>(gate);
   const auto* u = reinterpret_cast<const kernels::Int4Weight*>(up);
   const auto* d = reinterpret_cast<const kernels::Int4Weight*>(down);
@@ -299,8 +326,8 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
       auto gate_up = [&](auto kNorm) {
         const auto kernel = kernels::moe_gate_up_int4_mma_kernel<CPG.value, kNorm.value, KS.value>;
         allow_smem(kernel, smem);
-        launch_pdl_smem(kernel, grid, 64 * KS.value, smem, g, u, n_experts, ids, x, act_h, top_k, inter, hidden, norm,
-                        eps);
+        launch_pdl_smem(kernel, grid, 64 * KS.value, smem, g, u, n_experts, routing.ids, routing.logits,
+                        static_cast<const __half*>(routing.xn), x, act_h, top_k, inter, hidden, norm, eps);
       };
       if (norm)
         gate_up(std::true_type{});
@@ -312,8 +339,8 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
     const size_t smem = size_t(kernels::mma_x_bytes(top_k, inter));
     const auto kernel = kernels::moe_down_int4_mma_kernel<CPG.value>;
     allow_smem(kernel, smem);
-    launch_pdl_smem(kernel, grid, 32 * kernels::kMoeDownSlots, smem, d, ids, weights, act_h, out, top_k, inter,
-                    hidden, accumulate);
+    launch_pdl_smem(kernel, grid, 32 * kernels::kMoeDownSlots, smem, d, routing.ids, routing.weights, routing.logits,
+                    n_experts, routing.normalize, act_h, out, top_k, inter, hidden, accumulate);
   });
 }
 
@@ -512,15 +539,16 @@ static int mxfp4_stream_stages(int64_t k, int64_t extra) {
 
 // sm_90+ (bulk copies; clusters come with them), whole tiles, room for 2 stages.
 // NIBBLE_MXFP4_MOE_REGS=1: the register kernels, for A/B runs.
-static bool moe_mxfp4_streamed(bool aligned, int64_t m, int64_t inter, int64_t hidden) {
+bool moe_mxfp4_streamed(bool aligned, int64_t m, int64_t inter, int64_t hidden) {
   static const bool off = std::getenv("NIBBLE_MXFP4_MOE_REGS") != nullptr;
   return !off && aligned && clusters_supported() && hidden % 16 == 0 && inter % 8 == 0 &&
          mxfp4_stream_stages(hidden, kernels::mxfp4_x_bytes(m, hidden)) >= 2 && mxfp4_stream_stages(inter, 0) >= 2;
 }
 
-static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kernels::Mxfp4Device* dn, const int32_t* ids,
-                               const float* weights, const float* x, __half* act, float* out, bool accumulate,
-                               int64_t m, int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit) {
+static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kernels::Mxfp4Device* dn,
+                                      int64_t n_experts, const MoeRouting& routing, const float* x, __half* act,
+                                      float* out, bool accumulate, int64_t m, int64_t top_k, int64_t inter,
+                                      int64_t hidden, float alpha, float limit) {
   constexpr int W = kMxfp4StreamWarps, threads = 32 * (W + 1);
   const int64_t sms = int64_t(sm_count());
   {
@@ -530,8 +558,8 @@ static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kern
     const auto kernel = kernels::moe_mxfp4_gate_up_stream_kernel<W, kMxfp4StreamGateUpBlocks>;
     allow_smem(kernel, smem);
     const int64_t items = m * top_k * (2 * inter / 16), resident = resident_blocks(kernel, threads, smem) * sms;
-    launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, gu, ids, x, act, m * top_k, top_k,
-                    inter, hidden, alpha, limit, stages);
+    launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, gu, routing.ids, routing.logits,
+                    n_experts, x, act, m * top_k, top_k, inter, hidden, alpha, limit, stages);
   }
   {
     const int stages = mxfp4_stream_stages(inter, 0);
@@ -539,8 +567,9 @@ static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kern
     const auto kernel = kernels::moe_mxfp4_down_stream_kernel<W>;
     allow_smem(kernel, smem);
     const int64_t items = m * (hidden / 16), resident = resident_blocks(kernel, threads, smem) * sms;
-    launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, dn, ids, weights,
-                    static_cast<const __half*>(act), out, m, top_k, inter, hidden, accumulate, stages);
+    launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, dn, routing.ids, routing.weights,
+                    routing.logits, n_experts, routing.normalize, static_cast<const __half*>(act), out, m, top_k,
+                    inter, hidden, accumulate, stages);
   }
 }
 
@@ -550,15 +579,17 @@ static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kern
 // tools/kernel-bench/moe_mxfp4_bench.cu): gate/up 26.4 -> 24.5 µs, down 17.9 -> 16.6 µs (with 4
 // groups double-buffered they spilled: 46 and 25 µs). NIBBLE_MXFP4_MOE_SINGLE=1: the 4-group
 // single-buffered kernels, for A/B runs. The streamed kernels take every shape they can.
-void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64_t n_experts, const int32_t* ids,
-                      const float* weights, const float* x, void* act, float* out, bool accumulate, int64_t m,
+void moe_decode_mxfp4(const Mxfp4Device* gate_up, const Mxfp4Device* down, int64_t n_experts,
+                      const MoeRouting& routing, const float* x, void* act, float* out, bool accumulate, int64_t m,
                       int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit, bool aligned) {
   const auto* gu = reinterpret_cast<const kernels::Mxfp4Device*>(gate_up);
   const auto* dn = reinterpret_cast<const kernels::Mxfp4Device*>(down);
   auto* act_h = static_cast<__half*>(act);
   if (moe_mxfp4_streamed(aligned, m, inter, hidden))
-    return moe_decode_mxfp4_streamed(gu, dn, ids, weights, x, act_h, out, accumulate, m, top_k, inter, hidden, alpha,
-                                     limit);
+    return moe_decode_mxfp4_streamed(gu, dn, n_experts, routing, x, act_h, out, accumulate, m, top_k, inter, hidden,
+                                     alpha, limit);
+  const int32_t* ids = routing.ids;
+  const float* weights = routing.weights;
   static const bool one_tile = std::getenv("NIBBLE_MXFP4_GATE_UP_TILES") != nullptr;
   static const bool single = std::getenv("NIBBLE_MXFP4_MOE_SINGLE") != nullptr;
   auto run = [&](auto kDouble, auto B) {
