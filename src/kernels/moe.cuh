@@ -42,8 +42,9 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int64_t m, in
 //   moe_router_kernel: every block writes its logits to global memory and the last block to
 //     finish (a counter, reset by that block for the next launch) reads them back: a fence, an
 //     atomic and a read through L2. The cluster took the router's critical time from 7.7 to
-//     7.0 µs a layer (in-kernel timeline, BENCHMARKS.md); most of what is left comes after the
-//     products (~2.2 µs after the wait) and is not yet explained.
+//     7.0 µs a layer (in-kernel timeline, BENCHMARKS.md), ~4.8 of it after the products.
+// Both now run only with NIBBLE_MOE_ROUTER_ROUTES=1 (A/B runs): by default the router writes
+// logits only and the expert kernels route (moe_router_logits_kernel below).
 constexpr int kRouterVecs = 8;        // 2048 bf16 per lane-strided row
 constexpr int kRouterStageUnits = 4;  // a 2048-wide row over 128 threads
 
