@@ -615,10 +615,12 @@ TEST_F(OpsTest, FusedResidualOps) {
         expect_close(to_host(res, m * n), want, "linear_add " + what, tolerance);
       }
 
-  // E <= 128 routes in one thread-block cluster on sm_90+, E = 512 (Qwen3-Next) through the
-  // last-block counter.
+  // The expert kernels route from the router's logits (1, 2, 4 and 16 experts a lane; m = 2
+  // without renormalising over the top k). Up to H = 2048 the router stages the normalised rows
+  // for gate/up; H = 4096 has gate/up stage them itself. NIBBLE_MOE_ROUTER_ROUTES=1 runs the
+  // cluster router (E <= 128) and the last-block counter (E = 512) instead.
   for (auto [H, inter, E, top_k] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1024, 768, 16, 4},
-                                    {512, 256, 128, 8}, {256, 256, 512, 8}, {512, 256, 40, 8}})
+                                    {512, 256, 128, 8}, {256, 256, 512, 8}, {512, 256, 40, 8}, {4096, 256, 64, 6}})
     for (int64_t m : {1, 2, 8, 12}) {
       MoeWeights host, dev;
       host.top_k = dev.top_k = top_k;
