@@ -25,6 +25,17 @@ void Backend::rms_norm_moe_add(const WeightVector& norm, float eps, const MoeWei
   add(y.data(), m * hidden, x);
 }
 
+void Backend::qk_norm_rope_attention(const float* q_in, int64_t q_stride, const float* k_new, const float* v_new,
+                                     int64_t kv_stride, const WeightVector& q_norm, const WeightVector& k_norm,
+                                     float eps, const RopeTable& rope, const int32_t* positions, int64_t m,
+                                     int64_t n_head, int64_t n_head_kv, int64_t head_dim, const KvPages& kv,
+                                     int64_t max_context, float scale, float* q_scratch, float* out,
+                                     const float* sinks, int64_t window) {
+  qk_norm_rope_kv_write(q_in, q_scratch, q_stride, k_new, v_new, kv_stride, q_norm, k_norm, eps, rope, positions, m,
+                        n_head, n_head_kv, head_dim, kv);
+  attention(q_scratch, kv, m, positions, max_context, n_head, n_head_kv, head_dim, scale, out, sinks, window);
+}
+
 #ifdef NIBBLE_HAVE_CUDA
 std::unique_ptr<Backend> make_cuda_backend();
 #endif

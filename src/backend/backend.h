@@ -133,6 +133,15 @@ class Backend {
                                int64_t m, float* out);
   virtual void linear_add(const LinearWeight& w, const float* a, int64_t m, float* x);
   virtual void rms_norm_moe_add(const WeightVector& norm, float eps, const MoeWeights& w, int64_t m, float* x);
+  //   qk_norm_rope_attention: qk_norm_rope_kv_write (q to q_scratch [m, n_head, hd]), then attention
+  //                   over the same cache, for a decode step: every token is its sequence's one new
+  //                   token, so none attends to another's new row (the CUDA backend fuses both).
+  virtual void qk_norm_rope_attention(const float* q_in, int64_t q_stride, const float* k_new, const float* v_new,
+                                      int64_t kv_stride, const WeightVector& q_norm, const WeightVector& k_norm,
+                                      float eps, const RopeTable& rope, const int32_t* positions, int64_t m,
+                                      int64_t n_head, int64_t n_head_kv, int64_t head_dim, const KvPages& kv,
+                                      int64_t max_context, float scale, float* q_scratch, float* out,
+                                      const float* sinks = nullptr, int64_t window = 0);
 
   // Graphs: a decode step recorded once and replayed (CUDA graphs remove the launch overhead of
   // hundreds of small kernels). Between begin_capture and end_capture ops are recorded, not run;

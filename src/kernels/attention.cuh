@@ -354,6 +354,27 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
 // shared memory is WARPS x ROWS x HD floats).
 constexpr int kDecodeTcTile = 16, kDecodeTcRows = 16;
 
+// The attention prologue (norm.cuh qk_norm_rope_kv_write_kernel) fused into the tensor-core decode
+// kernel, for steps whose every token is its sequence's one new token: q, k and v come raw from the
+// projection, each block normalises and rotates its q heads as it builds their fragments (RoPE's
+// pairs, dims d and d + HD/2, are both the same thread's), and the block whose split holds the
+// token's position writes the new K/V row to the cache and keeps a copy in shared memory that its
+// own loop reads, so no block reads a row another wrote. Saves a launch and its boundary per
+// layer, but at depth 0 the work lands on attention's few blocks: even for Qwen3-30B-A3B there,
+// +0.7% at depth 8192, +1% for gpt-oss-20b (BENCHMARKS.md). q_in null: q is ready.
+struct AttentionPrologue {
+  const float* q_in = nullptr;  // token t's heads at q_in + t * q_stride, [n_head, HD]
+  int64_t q_stride = 0;
+  const float* k_new = nullptr;  // token t's [n_head_kv, HD] at + t * kv_stride
+  const float* v_new = nullptr;
+  int64_t kv_stride = 0;
+  const float* q_norm = nullptr;  // [HD] or null (no norm)
+  const float* k_norm = nullptr;
+  float eps = 0.f;
+  const float* inv_freq = nullptr;  // [HD / 2]
+  float attention_factor = 1.f;
+};
+
 template <int HD, int SPLIT, int WARPS, int ROWS, typename T>
 __global__ void __launch_bounds__(32 * WARPS)
 attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -361,7 +382,8 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
                            int64_t table_stride, int block_size_log2,
                            float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
                            const int32_t* __restrict__ positions, int64_t n_head, int64_t n_head_kv,
-                           float scale_log2, int64_t n_splits, AttentionMods mods) {
+                           float scale_log2, int64_t n_splits, AttentionMods mods, AttentionPrologue pro,
+                           T* __restrict__ k_out, T* __restrict__ v_out) {
   static_assert(HD == 64 || HD == 128);
   static_assert(SPLIT % (WARPS * kDecodeTcTile) == 0 && (ROWS == 8 || ROWS == 16));
   constexpr int kDecodeTcWarps = WARPS;
@@ -393,9 +415,50 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   const int64_t from = ::max(begin, lo);
   prefetch_split_rows<HD, kThreads>(kbase, vbase, block_table, block_size_log2, row_stride, from,
                                     begin + SPLIT - from, positions[t]);
+  // The fused prologue's inputs that need no predecessor: norm weights and the rotation at the
+  // token's position (the same f32 angle as qk_norm_rope_kv_write_kernel).
+  const bool fused = pro.q_in != nullptr;
+  const int64_t pos_new = n_ctx - 1;
+  const bool writes_new = fused && split == pos_new / SPLIT;  // this block's split holds the new row
+  __shared__ float s_qw[HD], s_kw[HD], s_cos[HD / 2], s_sin[HD / 2];
+  __shared__ __align__(16) T s_knew[HD], s_vnew[HD];
+  if (fused) {
+    for (int i = tid; i < HD; i += kThreads) {
+      s_qw[i] = pro.q_norm ? pro.q_norm[i] : 1.f;
+      s_kw[i] = pro.k_norm ? pro.k_norm[i] : 1.f;
+    }
+    for (int i = tid; i < HD / 2; i += kThreads) {
+      float sn, cs;
+      sincosf(float(pos_new) * pro.inv_freq[i], &sn, &cs);
+      s_cos[i] = cs * pro.attention_factor, s_sin[i] = sn * pro.attention_factor;
+    }
+  }
+  // This thread's share of them in registers, still before the wait: its q dims d = 32c + 8·t4 + e
+  // of the first half (c < kChunks / 2) and their partners d + HD / 2.
+  constexpr int kRot = kChunks / 2 * 8;
+  float rw0[kRot], rw1[kRot], rcs[kRot], rsn[kRot];
+  if (fused) {
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < kChunks / 2; ++c)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int d = 32 * c + 8 * t4 + e, i = 8 * c + e;
+        rw0[i] = s_qw[d], rw1[i] = s_qw[d + HD / 2], rcs[i] = s_cos[d], rsn[i] = s_sin[d];
+      }
+  }
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();
   const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT));
+  // The new row's raw values first (warp 0: the key, warp 1: the value), so that their L2 trip
+  // overlaps the queries' below instead of following it.
+  constexpr int kPairs = HD / 64;  // rotation pairs (i, i + HD / 2) per lane
+  float nk[2 * kPairs];
+  if (writes_new && warp < 2) {
+    const float* src = (warp == 0 ? pro.k_new : pro.v_new) + t * pro.kv_stride + kv * HD;
+#pragma unroll
+    for (int j = 0; j < 2 * kPairs; ++j) nk[j] = src[lane + 32 * j];  // j < kPairs: i, else i + HD / 2
+  }
 
   // Q fragments: row r = head g + 8·(r % 2); k-step 2c + e holds dims 32c + 8·t4 + 4e + {0, 1}
   // (registers 0, 1) and + {2, 3} (registers 2, 3).
@@ -403,11 +466,42 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int h = g + 8 * r;
-    const float* qh = h < group && h < ROWS ? q + ((t * n_head) + kv * group + h) * HD : nullptr;
+    const bool head = h < group && h < ROWS;
+    // Fused: the raw head, normalised (the quad holds all HD dims) and rotated in registers.
+    float qv[kChunks][8] = {};
+    if (fused && (ROWS > 8 || r == 0)) {  // with 8 rows, row g + 8 is never a head
+      const float* qr = pro.q_in + t * pro.q_stride + (kv * group + h) * HD;
+      float ss = 0.f;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+        for (int e = 0; e < 8; e += 4) {
+          const float4 u = head ? *reinterpret_cast<const float4*>(qr + 32 * c + 8 * t4 + e) : make_float4(0, 0, 0, 0);
+          qv[c][e] = u.x, qv[c][e + 1] = u.y, qv[c][e + 2] = u.z, qv[c][e + 3] = u.w;
+        }
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += qv[c][e] * qv[c][e];
+      const float inv = pro.q_norm ? rsqrtf(quad_sum(ss) / float(HD) + pro.eps) : 1.f;
+#pragma unroll
+      for (int c = 0; c < kChunks / 2; ++c)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int i = 8 * c + e;
+          const float x0 = qv[c][e] * inv * rw0[i], x1 = qv[c + kChunks / 2][e] * inv * rw1[i];
+          qv[c][e] = x0 * rcs[i] - x1 * rsn[i];
+          qv[c + kChunks / 2][e] = x1 * rcs[i] + x0 * rsn[i];
+        }
+    }
+    const float* qh = head ? q + ((t * n_head) + kv * group + h) * HD : nullptr;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
-      if (qh) {
+      if (fused) {
+        a = make_float4(qv[c][0], qv[c][1], qv[c][2], qv[c][3]);
+        b = make_float4(qv[c][4], qv[c][5], qv[c][6], qv[c][7]);
+      } else if (qh) {
         a = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * t4);
         b = *reinterpret_cast<const float4*>(qh + 32 * c + 8 * t4 + 4);
       }
@@ -418,6 +512,31 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     }
   }
 
+  if (writes_new && warp < 2) {
+    // Warp 0: the new key (RMSNorm, RoPE), warp 1: the new value, to the cache and shared memory.
+    const int64_t row = kv_pool_row(block_table, block_size_log2, pos_new) * row_stride + kv * HD;
+    if (warp == 0) {
+      float ss = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) ss += nk[j] * nk[j] + nk[kPairs + j] * nk[kPairs + j];
+      const float inv = pro.k_norm ? rsqrtf(warp_sum(ss) / float(HD) + pro.eps) : 1.f;
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        const int i = lane + 32 * j;
+        const float x0 = nk[j] * inv * s_kw[i], x1 = nk[kPairs + j] * inv * s_kw[i + HD / 2];
+        const float y0 = x0 * s_cos[i] - x1 * s_sin[i], y1 = x1 * s_cos[i] + x0 * s_sin[i];
+        kv_store(k_out + row + i, y0), kv_store(s_knew + i, y0);
+        kv_store(k_out + row + i + HD / 2, y1), kv_store(s_knew + i + HD / 2, y1);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 2 * kPairs; ++j) {
+        const int i = lane + 32 * j;  // lane + 32 j covers 0 .. HD - 1 as j runs over 2 kPairs
+        kv_store(v_out + row + i, nk[j]), kv_store(s_vnew + i, nk[j]);
+      }
+    }
+  }
+  if (writes_new) __syncthreads();  // the new row in shared memory
   float o[kDimsPerGroup][4];
 #pragma unroll
   for (int d = 0; d < kDimsPerGroup; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
@@ -431,14 +550,18 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int64_t pos = p0 + 4 * (g / 2) + 2 * j + g % 2;
-      const T* src = pos < end && pos >= lo ? kbase + row_of(pos) + 8 * t4 : nullptr;
+      const T* src = !(pos < end && pos >= lo) ? nullptr
+                     : writes_new && pos == pos_new ? s_knew + 8 * t4
+                                                    : kbase + row_of(pos) + 8 * t4;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) kr[j][c] = src ? kv_load8_f16(src + 32 * c) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t pos = p0 + 4 * t4 + i;
-      const T* src = pos < end && pos >= lo ? vbase + row_of(pos) + kDimsPerGroup * g : nullptr;
+      const T* src = !(pos < end && pos >= lo) ? nullptr
+                     : writes_new && pos == pos_new ? s_vnew + kDimsPerGroup * g
+                                                    : vbase + row_of(pos) + kDimsPerGroup * g;
 #pragma unroll
       for (int u = 0; u < kVUnits; ++u) vr[i][u] = src ? kv_load8_f16(src + 8 * u) : make_uint4(0, 0, 0, 0);
     }

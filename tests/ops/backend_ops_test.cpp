@@ -443,6 +443,98 @@ TEST_F(OpsTest, AttentionSeveralSequences) {
   }
 }
 
+// The attention prologue fused into decode attention (CUDA: kernels/attention.cuh
+// AttentionPrologue) against the CPU's composition of qk_norm_rope_kv_write and attention: q, k
+// and v raw in one projection row per token with q/k norms and a YaRN factor, one sequence per
+// token (contexts of 1 to ~1100 positions: the new row in the first, a middle and the last of
+// several splits), Qwen3's and gpt-oss's head shapes (the latter with sinks and a window), F16
+// and E4M3 caches. Both the output and the new K/V rows written to the cache are compared.
+TEST_F(OpsTest, QkNormRopeAttentionFused) {
+  using Shape = AttentionShape;
+  for (DType dtype : {DType::F16, DType::F8_E4M3}) {
+    for (Shape s : {Shape{32, 4, 128}, Shape{64, 8, 64}}) {
+      const bool gpt_oss = s.head_dim == 64;
+      for (int64_t m : {1, 5}) {
+        const int64_t row = s.n_head_kv * s.head_dim, nq = s.n_head * s.head_dim, total_row = nq + 2 * row;
+        const int64_t block = 16;
+        std::vector<int32_t> contexts;
+        for (int64_t t = 0; t < m; ++t) contexts.push_back(int32_t(m == 1 ? 700 : 1 + (t * 397 + 13) % 1100));
+        int64_t stride = 0, total = 0;
+        for (int32_t c : contexts) {
+          stride = std::max<int64_t>(stride, (c + block - 1) / block);
+          total += (c + block - 1) / block;
+        }
+        PagedKv kv = paged_kv(total * block, row, dtype, 4);
+        std::vector<int32_t> tables(size_t(m * stride), 0), seq_rows(static_cast<size_t>(m)),
+            positions(static_cast<size_t>(m));
+        int64_t used = 0;
+        for (int64_t t = 0; t < m; ++t) {
+          const int64_t n = (contexts[size_t(t)] + block - 1) / block;
+          for (int64_t b = 0; b < n; ++b) tables[size_t(t * stride + b)] = kv.table[size_t(used++)];
+          seq_rows[size_t(t)] = int32_t(m - 1 - t);
+          positions[size_t(t)] = contexts[size_t(m - 1 - t)] - 1;
+        }
+        fill_random(kv, total * block);
+        upload(kv);
+        KvPages host = kv.host(), dev = kv.gpu();
+        host.block_table = tables.data();
+        host.seq_rows = seq_rows.data();
+        host.table_stride = dev.table_stride = stride;
+        dev.block_table = on_gpu(tables);
+        dev.seq_rows = on_gpu(seq_rows);
+        ModelConfig c;
+        c.head_dim = s.head_dim;
+        c.rope.theta = 1e6;
+        RopeTable rope = make_rope_table(c);
+        rope.attention_factor = 1.25f;  // a YaRN-style factor on cos and sin
+        RopeTable dev_rope{gpu_->upload(rope.inv_freq), rope.attention_factor};
+        WeightVector qn, kn, dqn, dkn;
+        if (!gpt_oss) {  // gpt-oss has no q/k norms
+          auto positive = [&](int64_t n) {
+            auto w = random(n, 0.5f);
+            for (auto& x : w) x += 1.f;
+            return w;
+          };
+          qn = host_vector(positive(s.head_dim)), kn = host_vector(positive(s.head_dim));
+          dqn = gpu_->upload(qn), dkn = gpu_->upload(kn);
+        }
+        std::vector<float> sinks = gpt_oss ? random(s.n_head) : std::vector<float>{};
+        const int64_t window = gpt_oss ? 128 : 0;
+        const auto qkv = random(m * total_row, 2.f);
+        const float scale = 1.f / std::sqrt(float(s.head_dim));
+        const std::string what = fmt::format("fused prologue {}/{}x{} m={} {}", s.n_head, s.n_head_kv, s.head_dim, m,
+                                             dtype_name(dtype));
+        std::vector<float> want(size_t(m * nq)), q_scratch(size_t(m * nq));
+        cpu_->qk_norm_rope_attention(qkv.data(), total_row, qkv.data() + nq, qkv.data() + nq + row, total_row, qn, kn,
+                                     1e-6f, rope, positions.data(), m, s.n_head, s.n_head_kv, s.head_dim, host, 1200,
+                                     scale, q_scratch.data(), want.data(), gpt_oss ? sinks.data() : nullptr, window);
+        float* dqkv = on_gpu(qkv);
+        float* out = poisoned_gpu(m * nq);
+        gpu_->qk_norm_rope_attention(dqkv, total_row, dqkv + nq, dqkv + nq + row, total_row, dqn, dkn, 1e-6f, dev_rope,
+                                     on_gpu(positions), m, s.n_head, s.n_head_kv, s.head_dim, dev, 1200, scale,
+                                     poisoned_gpu(m * nq), out, gpt_oss ? on_gpu(sinks) : nullptr, window);
+        expect_close(to_host(out, m * nq), want, what + " attention", dtype == DType::F8_E4M3 ? 1e-2 : 2e-3);
+        for (bool values : {false, true}) {
+          std::vector<uint8_t> pool(kv.k.size());
+          gpu_->copy_to_host(pool.data(), values ? kv.gpu_v : kv.gpu_k, pool.size());
+          std::vector<float> got, expected;
+          for (int64_t t = 0; t < m; ++t) {
+            const int32_t* table = tables.data() + int64_t(seq_rows[size_t(t)]) * stride;
+            const int64_t r = kv_pool_row(table, 4, positions[size_t(t)]);
+            for (int64_t i = 0; i < row; ++i) {
+              got.push_back(kv.at(pool, r, i));
+              expected.push_back(kv.at(values ? kv.v : kv.k, r, i));
+            }
+          }
+          expect_close(got, expected, what + (values ? " v cache" : " k cache"),
+                       dtype == DType::F16 ? 1e-3 : 0.125);
+        }
+        release_buffers();
+      }
+    }
+  }
+}
+
 // Backend::sample against the reference (backend/sampling.h) on the same logits: vocabularies of
 // 1,000 and Qwen3's 151,936, peaked and flat rows, every filter alone and together, draws across
 // [0, 1). Exact token equality: the GPU sums the kept mass in f64 in another order, which moves a

@@ -457,6 +457,32 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH("qk_norm_rope_kv_write");
   }
 
+  // The prologue inside the tensor-core decode attention (kernels/attention.cuh AttentionPrologue):
+  // one launch and one kernel boundary less per layer. NIBBLE_NO_FUSED_ROPE=1: the two launches,
+  // for A/B runs.
+  void qk_norm_rope_attention(const float* q_in, int64_t q_stride, const float* k_new, const float* v_new,
+                              int64_t kv_stride, const WeightVector& q_norm, const WeightVector& k_norm, float eps,
+                              const RopeTable& rope, const int32_t* positions, int64_t m, int64_t n_head,
+                              int64_t n_head_kv, int64_t head_dim, const KvPages& kv, int64_t max_context,
+                              float scale, float* q_scratch, float* out, const float* sinks,
+                              int64_t window) override {
+    static const bool off = std::getenv("NIBBLE_NO_FUSED_ROPE") != nullptr;
+    if (!off && m <= cuda::kGemvMaxM && kv.dtype != DType::F32 &&
+        cuda::attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) {
+      OpProfiler::Scope scope(profiler_, "attention");
+      const cuda::AttentionPrologue pro{q_in,   q_stride,    k_new, v_new, kv_stride, q_norm.data, k_norm.data,
+                                        eps,    rope.inv_freq.data, rope.attention_factor};
+      Buffer partial(*this, size_t(cuda::attention_partial_floats(m, max_context, n_head, head_dim)) * 4);
+      if (cuda::attention_decode(nullptr, kv, partial.data(), out, attention_counters_.data<unsigned>(), m, positions,
+                                 max_context, n_head, n_head_kv, head_dim, scale, sinks, window, &pro)) {
+        CUDA_CHECK_LAUNCH("attention_decode (fused prologue)");
+        return;
+      }
+    }
+    Backend::qk_norm_rope_attention(q_in, q_stride, k_new, v_new, kv_stride, q_norm, k_norm, eps, rope, positions, m,
+                                    n_head, n_head_kv, head_dim, kv, max_context, scale, q_scratch, out, sinks, window);
+  }
+
   void attention(const float* q, const KvPages& kv, int64_t m, const int32_t* positions, int64_t max_context,
                  int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out, const float* sinks,
                  int64_t window) override {

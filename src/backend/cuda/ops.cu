@@ -368,8 +368,14 @@ static_assert(kernels::kDecodeSplitLong <= decode_tc_split(0), "attention_partia
 
 bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
                       const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
-                      int64_t head_dim, float scale, const float* sinks, int64_t window) {
+                      int64_t head_dim, float scale, const float* sinks, int64_t window,
+                      const AttentionPrologue* prologue) {
   if (!attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) return false;
+  if (prologue && kv.dtype == DType::F32) return false;  // the tensor-core kernel only
+  kernels::AttentionPrologue pro;
+  if (prologue)
+    pro = {prologue->q_in,   prologue->q_stride, prologue->k_new, prologue->v_new,    prologue->kv_stride,
+           prologue->q_norm, prologue->k_norm,   prologue->eps,   prologue->inv_freq, prologue->attention_factor};
   const kernels::AttentionMods mods{sinks, window};
   const int64_t group = n_head / n_head_kv;
   if (kv.dtype != DType::F32) {  // f16 or E4M3: the tensor-core kernel
@@ -384,7 +390,7 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
           launch_pdl(kernels::attention_decode_tc_kernel<HD.value, SPLIT.value, WARPS.value, ROWS.value, T>, grid,
                      32 * WARPS.value, q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v), kv.block_table,
                      kv.seq_rows, kv.table_stride, kv.block_size_log2, partial, out, counters, positions, n_head,
-                     n_head_kv, scale_log2, n_splits, mods);
+                     n_head_kv, scale_log2, n_splits, mods, pro, static_cast<T*>(kv.k), static_cast<T*>(kv.v));
       });
     };
     auto with_rows = [&](auto HD, auto SPLIT) {
