@@ -23,18 +23,18 @@ void Model::self_attention(const Step& step, int64_t layer, const LayerWeights& 
   // A decode step (every token its sequence's one new token): the prologue and the attention as
   // one op, which a backend may fuse (the traced q is then never written).
   const bool decode = (step.cache ? T == 1 : step.segments.empty()) && !tracer_;
-  if (l.qkv.n && decode) {
-    be.rms_norm_linear(x, l.input_norm, eps, l.qkv, T, qkv);
-    be.qk_norm_rope_attention(qkv, nq + 2 * nk, qkv + nq, qkv + nq + nk, nq + 2 * nk, l.q_norm, l.k_norm, eps, rope,
-                              step.positions, T, nh, nkv, hd, step.kv_layer(layer), step.max_context, scale, q,
-                              b.out.data(), l.sinks.data, l.sliding_window);
-    be.linear_add(l.o, b.out.data(), T, x);
-    return;
-  }
+  bool attended = false;
   if (l.qkv.n) {  // rows [q | k | v] per token
     be.rms_norm_linear(x, l.input_norm, eps, l.qkv, T, qkv);
-    be.qk_norm_rope_kv_write(qkv, q, nq + 2 * nk, qkv + nq, qkv + nq + nk, nq + 2 * nk, l.q_norm, l.k_norm, eps, rope,
-                             step.positions, T, nh, nkv, hd, step.kv_layer(layer));
+    if (decode) {
+      be.qk_norm_rope_attention(qkv, nq + 2 * nk, qkv + nq, qkv + nq + nk, nq + 2 * nk, l.q_norm, l.k_norm, eps,
+                                rope, step.positions, T, nh, nkv, hd, step.kv_layer(layer), step.max_context, scale,
+                                q, b.out.data(), l.sinks.data, l.sliding_window);
+      attended = true;
+    } else {
+      be.qk_norm_rope_kv_write(qkv, q, nq + 2 * nk, qkv + nq, qkv + nq + nk, nq + 2 * nk, l.q_norm, l.k_norm, eps,
+                               rope, step.positions, T, nh, nkv, hd, step.kv_layer(layer));
+    }
   } else {
     Buffer normed(be, size_t(T * H) * 4);
     be.rms_norm(x, l.input_norm, T, H, eps, normed.data());
@@ -46,8 +46,10 @@ void Model::self_attention(const Step& step, int64_t layer, const LayerWeights& 
     be.qk_norm_rope_kv_write(q, q, nq, k_new, v_new, nk, l.q_norm, l.k_norm, eps, rope, step.positions, T, nh, nkv, hd,
                              step.kv_layer(layer));
   }
-  trace(name + ".q", q, T, nq);
-  attend(step, layer, q, nh, nkv, hd, scale, b.out.data(), l.sinks.data, l.sliding_window);
+  if (!attended) {
+    trace(name + ".q", q, T, nq);
+    attend(step, layer, q, nh, nkv, hd, scale, b.out.data(), l.sinks.data, l.sliding_window);
+  }
   be.linear_add(l.o, b.out.data(), T, x);
   trace(name + ".attn_residual", x, T, H);
 }

@@ -370,33 +370,13 @@ TEST_F(OpsTest, AttentionSeveralSequences) {
   for (DType dtype : {DType::F16, DType::F32, DType::F8_E4M3}) {
     for (Shape s : {Shape{32, 4, 128}, Shape{8, 8, 64}}) {
       for (int64_t m : {5, 37}) {
-        const int64_t row = s.n_head_kv * s.head_dim, block = 16;
+        const int64_t row = s.n_head_kv * s.head_dim;
         std::vector<int32_t> contexts;  // one sequence per token, lengths 1 .. ~1100
         for (int64_t t = 0; t < m; ++t) contexts.push_back(int32_t(1 + (t * 397 + 13) % 1100));
-        int64_t stride = 0, total = 0;
-        for (int32_t c : contexts) {
-          stride = std::max<int64_t>(stride, (c + block - 1) / block);
-          total += (c + block - 1) / block;
-        }
-        PagedKv kv = paged_kv(total * block, row, dtype, 4);  // its table: a shuffled permutation
-        std::vector<int32_t> tables(size_t(m * stride), 0), seq_rows(static_cast<size_t>(m)),
-            positions(static_cast<size_t>(m));
-        std::vector<int32_t> permutation = kv.table;
-        int64_t used = 0;
-        for (int64_t t = 0; t < m; ++t) {
-          const int64_t n = (contexts[size_t(t)] + block - 1) / block;
-          for (int64_t b = 0; b < n; ++b) tables[size_t(t * stride + b)] = permutation[size_t(used++)];
-          seq_rows[size_t(m - 1 - t)] = int32_t(t);  // rows in the reverse of token order
-          positions[size_t(m - 1 - t)] = contexts[size_t(t)] - 1;
-        }
-        fill_random(kv, total * block);  // every pool row holds values: none may be read by another sequence
-        upload(kv);
-        KvPages host = kv.host(), dev = kv.gpu();
-        host.block_table = tables.data();
-        host.seq_rows = seq_rows.data();
-        host.table_stride = dev.table_stride = stride;
-        dev.block_table = on_gpu(tables);
-        dev.seq_rows = on_gpu(seq_rows);
+        Sequences seqs = sequences(contexts, row, dtype);
+        PagedKv& kv = seqs.kv;
+        const KvPages &host = seqs.host, &dev = seqs.dev;
+        const std::vector<int32_t>& positions = seqs.positions;
         const std::string what = fmt::format("{} sequences {}/{}x{} {}", m, s.n_head, s.n_head_kv, s.head_dim,
                                              dtype_name(dtype));
         // The write of each token's new K/V row, then attention over all.
@@ -417,8 +397,7 @@ TEST_F(OpsTest, AttentionSeveralSequences) {
         gpu_->copy_to_host(pool.data(), kv.gpu_k, pool.size());
         std::vector<float> got_k, want_k;
         for (int64_t t = 0; t < m; ++t) {
-          const int32_t* table = tables.data() + int64_t(seq_rows[size_t(t)]) * stride;
-          const int64_t r = kv_pool_row(table, 4, positions[size_t(t)]);
+          const int64_t r = seqs.token_row(t);
           for (int64_t i = 0; i < row; ++i) {
             got_k.push_back(kv.at(pool, r, i));
             want_k.push_back(kv.at(kv.k, r, i));
@@ -456,32 +435,12 @@ TEST_F(OpsTest, QkNormRopeAttentionFused) {
       const bool gpt_oss = s.head_dim == 64;
       for (int64_t m : {1, 5}) {
         const int64_t row = s.n_head_kv * s.head_dim, nq = s.n_head * s.head_dim, total_row = nq + 2 * row;
-        const int64_t block = 16;
         std::vector<int32_t> contexts;
         for (int64_t t = 0; t < m; ++t) contexts.push_back(int32_t(m == 1 ? 700 : 1 + (t * 397 + 13) % 1100));
-        int64_t stride = 0, total = 0;
-        for (int32_t c : contexts) {
-          stride = std::max<int64_t>(stride, (c + block - 1) / block);
-          total += (c + block - 1) / block;
-        }
-        PagedKv kv = paged_kv(total * block, row, dtype, 4);
-        std::vector<int32_t> tables(size_t(m * stride), 0), seq_rows(static_cast<size_t>(m)),
-            positions(static_cast<size_t>(m));
-        int64_t used = 0;
-        for (int64_t t = 0; t < m; ++t) {
-          const int64_t n = (contexts[size_t(t)] + block - 1) / block;
-          for (int64_t b = 0; b < n; ++b) tables[size_t(t * stride + b)] = kv.table[size_t(used++)];
-          seq_rows[size_t(t)] = int32_t(m - 1 - t);
-          positions[size_t(t)] = contexts[size_t(m - 1 - t)] - 1;
-        }
-        fill_random(kv, total * block);
-        upload(kv);
-        KvPages host = kv.host(), dev = kv.gpu();
-        host.block_table = tables.data();
-        host.seq_rows = seq_rows.data();
-        host.table_stride = dev.table_stride = stride;
-        dev.block_table = on_gpu(tables);
-        dev.seq_rows = on_gpu(seq_rows);
+        Sequences seqs = sequences(contexts, row, dtype);
+        PagedKv& kv = seqs.kv;
+        const KvPages &host = seqs.host, &dev = seqs.dev;
+        const std::vector<int32_t>& positions = seqs.positions;
         ModelConfig c;
         c.head_dim = s.head_dim;
         c.rope.theta = 1e6;
@@ -519,8 +478,7 @@ TEST_F(OpsTest, QkNormRopeAttentionFused) {
           gpu_->copy_to_host(pool.data(), values ? kv.gpu_v : kv.gpu_k, pool.size());
           std::vector<float> got, expected;
           for (int64_t t = 0; t < m; ++t) {
-            const int32_t* table = tables.data() + int64_t(seq_rows[size_t(t)]) * stride;
-            const int64_t r = kv_pool_row(table, 4, positions[size_t(t)]);
+            const int64_t r = seqs.token_row(t);
             for (int64_t i = 0; i < row; ++i) {
               got.push_back(kv.at(pool, r, i));
               expected.push_back(kv.at(values ? kv.v : kv.k, r, i));

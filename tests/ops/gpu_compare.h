@@ -146,6 +146,50 @@ class GpuCompareTest : public ::testing::Test {
     kv.gpu_k = on_gpu(kv.k);
     kv.gpu_v = on_gpu(kv.v);
   }
+  // One sequence per token over one shared, shuffled pool of blocks of 16 (random values
+  // everywhere): token m - 1 - t is sequence t, whose table row holds its blocks, at the last
+  // position of its context contexts[t]; `host` and `dev` view the pool with those tables.
+  struct Sequences {
+    PagedKv kv;
+    std::vector<int32_t> tables, seq_rows, positions;
+    int64_t stride = 0;
+    KvPages host, dev;
+    // The pool row of token t's own position.
+    int64_t token_row(int64_t t) const {
+      return kv_pool_row(tables.data() + int64_t(seq_rows[size_t(t)]) * stride, 4, positions[size_t(t)]);
+    }
+  };
+  Sequences sequences(const std::vector<int32_t>& contexts, int64_t row, DType dtype) {
+    constexpr int64_t block = 16;
+    const int64_t m = int64_t(contexts.size());
+    Sequences s;
+    int64_t total = 0;
+    for (int32_t c : contexts) {
+      s.stride = std::max<int64_t>(s.stride, (c + block - 1) / block);
+      total += (c + block - 1) / block;
+    }
+    s.kv = paged_kv(total * block, row, dtype, 4);  // its table: a shuffled permutation
+    s.tables.assign(size_t(m * s.stride), 0);
+    s.seq_rows.resize(size_t(m));
+    s.positions.resize(size_t(m));
+    int64_t used = 0;
+    for (int64_t t = 0; t < m; ++t) {
+      const int64_t n = (contexts[size_t(t)] + block - 1) / block;
+      for (int64_t b = 0; b < n; ++b) s.tables[size_t(t * s.stride + b)] = s.kv.table[size_t(used++)];
+      s.seq_rows[size_t(m - 1 - t)] = int32_t(t);  // rows in the reverse of token order
+      s.positions[size_t(m - 1 - t)] = contexts[size_t(t)] - 1;
+    }
+    fill_random(s.kv, total * block);  // every pool row holds values: none may be read by another sequence
+    upload(s.kv);
+    s.host = s.kv.host(), s.dev = s.kv.gpu();
+    s.host.block_table = s.tables.data();
+    s.host.seq_rows = s.seq_rows.data();
+    s.host.table_stride = s.dev.table_stride = s.stride;
+    s.dev.block_table = on_gpu(s.tables);
+    s.dev.seq_rows = on_gpu(s.seq_rows);
+    return s;
+  }
+
   // The GPU pools back on the host, as f32 for positions 0..ctx-1 (logical order) of K then V.
   std::vector<float> gpu_positions(const PagedKv& kv, int64_t ctx, bool values) {
     std::vector<uint8_t> pool((values ? kv.v : kv.k).size());

@@ -467,8 +467,7 @@ class CudaBackend final : public Backend {
                               float scale, float* q_scratch, float* out, const float* sinks,
                               int64_t window) override {
     static const bool off = std::getenv("NIBBLE_NO_FUSED_ROPE") != nullptr;
-    if (!off && m <= cuda::kGemvMaxM && kv.dtype != DType::F32 &&
-        cuda::attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) {
+    if (!off && m <= cuda::kGemvMaxM) {  // attention_decode declines the shapes and caches it cannot fuse
       OpProfiler::Scope scope(profiler_, "attention");
       const cuda::AttentionPrologue pro{q_in,   q_stride,    k_new, v_new, kv_stride, q_norm.data, k_norm.data,
                                         eps,    rope.inv_freq.data, rope.attention_factor};
