@@ -668,9 +668,14 @@ TEST_F(OpsTest, FusedResidualOps) {
   // The expert kernels route from the router's logits (1, 2, 4 and 16 experts a lane; m = 2
   // without renormalising over the top k). Up to H = 2048 the router stages the normalised rows
   // for gate/up; H = 4096 has gate/up stage them itself. NIBBLE_MOE_ROUTER_ROUTES=1 runs the
-  // cluster router (E <= 128) and the last-block counter (E = 512) instead.
-  for (auto [H, inter, E, top_k] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1024, 768, 16, 4},
-                                    {512, 256, 128, 8}, {256, 256, 512, 8}, {512, 256, 40, 8}, {4096, 256, 64, 6}})
+  // cluster router (E <= 128) and the last-block counter (E = 512) instead. Also Qwen3-30B-A3B's
+  // expert shapes (2048 x 768, top 8, symmetric), a partial group of 1024 k along H (1280), and
+  // 32- and 64-wide groups with and without zero points.
+  for (auto [H, inter, E, top_k, group, symmetric] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>{1024, 768, 16, 4, 128, false},
+        {512, 256, 128, 8, 128, false}, {256, 256, 512, 8, 128, false}, {512, 256, 40, 8, 128, false},
+        {4096, 256, 64, 6, 128, false}, {2048, 768, 16, 8, 128, true}, {1280, 768, 24, 8, 32, false},
+        {1280, 512, 12, 5, 64, true}})
     for (int64_t m : {1, 2, 8, 12}) {
       MoeWeights host, dev;
       host.top_k = dev.top_k = top_k;
@@ -678,9 +683,9 @@ TEST_F(OpsTest, FusedResidualOps) {
       host.router = random_weight(WeightFormat::kBF16, E, H);
       dev.router = gpu_->upload(host.router);
       for (int64_t e = 0; e < E; ++e) {
-        host.experts.push_back({random_weight(WeightFormat::kInt4, inter, H, 128),
-                                random_weight(WeightFormat::kInt4, inter, H, 128),
-                                random_weight(WeightFormat::kInt4, H, inter, 128)});
+        host.experts.push_back({random_weight(WeightFormat::kInt4, inter, H, group, false, symmetric),
+                                random_weight(WeightFormat::kInt4, inter, H, group, false, symmetric),
+                                random_weight(WeightFormat::kInt4, H, inter, group, false, symmetric)});
         const MlpWeights& ex = host.experts.back();
         dev.experts.push_back({gpu_->upload(ex.gate), gpu_->upload(ex.up), gpu_->upload(ex.down)});
       }
@@ -695,7 +700,8 @@ TEST_F(OpsTest, FusedResidualOps) {
         gpu_->rms_norm_moe_add(gpu_->upload(norm), 1e-6f, dev, m, got);
         // INT4 experts: f16 activations on the tensor cores at every m.
         expect_close(to_host(got, m * H), want,
-                     fmt::format("rms_norm_moe_add {}x{} E={} k={} m={} rep {}", H, inter, E, top_k, m, rep),
+                     fmt::format("rms_norm_moe_add {}x{} E={} k={} g{}{} m={} rep {}", H, inter, E, top_k, group,
+                                 symmetric ? " sym" : "", m, rep),
                      kF16Tolerance);
       }
     }
