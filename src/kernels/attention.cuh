@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "kernels/attention_prologue.h"
 #include "kernels/kv_access.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/mma.cuh"
@@ -361,19 +362,7 @@ constexpr int kDecodeTcTile = 16, kDecodeTcRows = 16;
 // token's position writes the new K/V row to the cache and keeps a copy in shared memory that its
 // own loop reads, so no block reads a row another wrote. Saves a launch and its boundary per
 // layer, but at depth 0 the work lands on attention's few blocks: even for Qwen3-30B-A3B there,
-// +0.7% at depth 8192, +1% for gpt-oss-20b (BENCHMARKS.md). q_in null: q is ready.
-struct AttentionPrologue {
-  const float* q_in = nullptr;  // token t's heads at q_in + t * q_stride, [n_head, HD]
-  int64_t q_stride = 0;
-  const float* k_new = nullptr;  // token t's [n_head_kv, HD] at + t * kv_stride
-  const float* v_new = nullptr;
-  int64_t kv_stride = 0;
-  const float* q_norm = nullptr;  // [HD] or null (no norm)
-  const float* k_norm = nullptr;
-  float eps = 0.f;
-  const float* inv_freq = nullptr;  // [HD / 2]
-  float attention_factor = 1.f;
-};
+// +0.7% at depth 8192, +1% for gpt-oss-20b (BENCHMARKS.md). Its inputs: kernels/attention_prologue.h.
 
 template <int HD, int SPLIT, int WARPS, int ROWS, typename T>
 __global__ void __launch_bounds__(32 * WARPS)

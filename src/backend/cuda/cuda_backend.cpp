@@ -467,19 +467,31 @@ class CudaBackend final : public Backend {
                               float scale, float* q_scratch, float* out, const float* sinks,
                               int64_t window) override {
     static const bool off = std::getenv("NIBBLE_NO_FUSED_ROPE") != nullptr;
-    if (!off && m <= cuda::kGemvMaxM) {  // attention_decode declines the shapes and caches it cannot fuse
+    if (!off && m <= cuda::kGemvMaxM &&
+        cuda::attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype) && kv.dtype != DType::F32) {
       OpProfiler::Scope scope(profiler_, "attention");
-      const cuda::AttentionPrologue pro{q_in,   q_stride,    k_new, v_new, kv_stride, q_norm.data, k_norm.data,
-                                        eps,    rope.inv_freq.data, rope.attention_factor};
-      Buffer partial(*this, size_t(cuda::attention_partial_floats(m, max_context, n_head, head_dim)) * 4);
-      if (cuda::attention_decode(nullptr, kv, partial.data(), out, attention_counters_.data<unsigned>(), m, positions,
-                                 max_context, n_head, n_head_kv, head_dim, scale, sinks, window, &pro)) {
-        CUDA_CHECK_LAUNCH("attention_decode (fused prologue)");
-        return;
-      }
+      const cuda::AttentionPrologue pro{q_in, q_stride, k_new, v_new, kv_stride, q_norm.data, k_norm.data,
+                                        eps,  rope.inv_freq.data, rope.attention_factor};
+      decode_attention(nullptr, kv, m, positions, max_context, n_head, n_head_kv, head_dim, scale, out, sinks, window,
+                       &pro);
+      CUDA_CHECK_LAUNCH("attention_decode (fused prologue)");
+      return;
     }
     Backend::qk_norm_rope_attention(q_in, q_stride, k_new, v_new, kv_stride, q_norm, k_norm, eps, rope, positions, m,
                                     n_head, n_head_kv, head_dim, kv, max_context, scale, q_scratch, out, sinks, window);
+  }
+
+  // Decode attention: the context split across blocks (flash-decoding), merged by the last split
+  // block; with `prologue`, q/k norm, RoPE and the KV write inside it. The shapes must be ones
+  // cuda::attention_decode_supports (and, with a prologue, a 16-bit or FP8 cache).
+  void decode_attention(const float* q, const KvPages& kv, int64_t m, const int32_t* positions, int64_t max_context,
+                        int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float* out,
+                        const float* sinks, int64_t window, const cuda::AttentionPrologue* prologue = nullptr) {
+    Buffer partial(*this, size_t(cuda::attention_partial_floats(m, max_context, n_head, head_dim)) * 4);
+    const bool launched =
+        cuda::attention_decode(q, kv, partial.data(), out, attention_counters_.data<unsigned>(), m, positions,
+                               max_context, n_head, n_head_kv, head_dim, scale, sinks, window, prologue);
+    NIBBLE_CHECK(launched, "decode attention declined a supported shape");
   }
 
   void attention(const float* q, const KvPages& kv, int64_t m, const int32_t* positions, int64_t max_context,
@@ -490,10 +502,7 @@ class CudaBackend final : public Backend {
                  head_dim, cuda::kAttentionMaxHeadDim);
     unsigned* counters = attention_counters_.data<unsigned>();
     if (m <= cuda::kGemvMaxM && cuda::attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) {
-      // Decode: the context split across blocks (flash-decoding), merged by the last split block.
-      Buffer partial(*this, size_t(cuda::attention_partial_floats(m, max_context, n_head, head_dim)) * 4);
-      cuda::attention_decode(q, kv, partial.data(), out, counters, m, positions, max_context, n_head, n_head_kv,
-                             head_dim, scale, sinks, window);
+      decode_attention(q, kv, m, positions, max_context, n_head, n_head_kv, head_dim, scale, out, sinks, window);
     } else if (m > cuda::kGemvMaxM && cuda::flash_attention(q, kv, out, m, positions, n_head, n_head_kv, head_dim,
                                                               scale, sinks, window)) {
       // Prefill on the tensor cores (head_dim 64/128, GQA group <= 8, 16-byte-aligned pointers):

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "backend/kv_pages.h"
+#include "kernels/attention_prologue.h"
 #include "backend/sampling.h"
 
 namespace nibble::cuda {
@@ -128,18 +129,9 @@ void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, 
 constexpr int64_t kAttentionMaxPairs = 4096;
 int64_t attention_partial_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim);
 bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int64_t head_dim, DType kv_dtype);
-// The attention prologue fused into decode attention (qk_norm_rope_kv_write's inputs): q, k and v
-// raw from the projection; every token must be its sequence's one new token. F16 and FP8 KV only.
-struct AttentionPrologue {
-  const float* q_in = nullptr;
-  int64_t q_stride = 0;
-  const float *k_new = nullptr, *v_new = nullptr;
-  int64_t kv_stride = 0;
-  const float *q_norm = nullptr, *k_norm = nullptr;  // null: no norm
-  float eps = 0.f;
-  const float* inv_freq = nullptr;
-  float attention_factor = 1.f;
-};
+// The attention prologue fused into decode attention (qk_norm_rope_kv_write's inputs): F16 and FP8
+// KV only; false, having launched nothing, for an F32 cache.
+using kernels::AttentionPrologue;
 bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
                       const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
                       int64_t head_dim, float scale, const float* sinks = nullptr, int64_t window = 0,

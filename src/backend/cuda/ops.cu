@@ -372,10 +372,7 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
                       const AttentionPrologue* prologue) {
   if (!attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) return false;
   if (prologue && kv.dtype == DType::F32) return false;  // the tensor-core kernel only
-  kernels::AttentionPrologue pro;
-  if (prologue)
-    pro = {prologue->q_in,   prologue->q_stride, prologue->k_new, prologue->v_new,    prologue->kv_stride,
-           prologue->q_norm, prologue->k_norm,   prologue->eps,   prologue->inv_freq, prologue->attention_factor};
+  const kernels::AttentionPrologue pro = prologue ? *prologue : kernels::AttentionPrologue{};
   const kernels::AttentionMods mods{sinks, window};
   const int64_t group = n_head / n_head_kv;
   if (kv.dtype != DType::F32) {  // f16 or E4M3: the tensor-core kernel
