@@ -1,5 +1,7 @@
 #include "backend/backend.h"
 
+#include <algorithm>
+
 #include "core/status.h"
 
 namespace nibble {
@@ -34,6 +36,18 @@ void Backend::qk_norm_rope_attention(const float* q_in, int64_t q_stride, const 
   qk_norm_rope_kv_write(q_in, q_scratch, q_stride, k_new, v_new, kv_stride, q_norm, k_norm, eps, rope, positions, m,
                         n_head, n_head_kv, head_dim, kv);
   attention(q_scratch, kv, m, positions, max_context, n_head, n_head_kv, head_dim, scale, out, sinks, window);
+}
+
+void Backend::post_ints(int slot, const int32_t* src, int64_t n) {
+  NIBBLE_CHECK(slot >= 0 && slot < kMailboxSlots && n >= 0 && n <= kMailboxInts, "post_ints: slot {} of {}, {} ints "
+               "of at most {}", slot, kMailboxSlots, n, kMailboxInts);
+  copy_to_host(mailbox_[slot], src, size_t(n) * 4);
+}
+
+void Backend::take_ints(int slot, int32_t* host_dst, int64_t n) {
+  NIBBLE_CHECK(slot >= 0 && slot < kMailboxSlots && n >= 0 && n <= kMailboxInts, "take_ints: slot {} of {}, {} ints "
+               "of at most {}", slot, kMailboxSlots, n, kMailboxInts);
+  std::copy(mailbox_[slot], mailbox_[slot] + n, host_dst);
 }
 
 #ifdef NIBBLE_HAVE_CUDA

@@ -44,6 +44,18 @@ class Backend {
   virtual void free(void* ptr) = 0;
   virtual void copy_to_backend(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  // Copies that do not wait for the device (decode pipelining, Model::decode_enqueue): both run in
+  // order with the work queued before them. copy_to_backend_queued returns as soon as `host_src`
+  // may be reused; post_ints starts copying n <= kMailboxInts ints of this backend's memory to
+  // host mailbox slot `slot` (< kMailboxSlots) and take_ints waits for that copy and returns the
+  // values. The defaults copy at once (the CPU backend's memory is the host's).
+  static constexpr int kMailboxSlots = 4;
+  static constexpr int64_t kMailboxInts = 64;
+  virtual void copy_to_backend_queued(void* dst, const void* host_src, size_t bytes) {
+    copy_to_backend(dst, host_src, bytes);
+  }
+  virtual void post_ints(int slot, const int32_t* src, int64_t n);
+  virtual void take_ints(int slot, int32_t* host_dst, int64_t n);
   // The device's free and total memory in bytes (for sizing a KV pool by a fraction of it);
   // false where the backend's memory is the host's.
   virtual bool memory_info(size_t* free_bytes, size_t* total_bytes) { return false; }
@@ -118,6 +130,10 @@ class Backend {
   // this backend's memory): temperature, min-p, top-k, top-p and the draw on the device, so a
   // sampled decode step also returns 4 bytes.
   virtual void sample(const float* x, int64_t n, const SampleInputs* in, int32_t* out) = 0;
+  // The next decode step's inputs from this step's picks, in this backend's memory: ids[r] =
+  // picked[r] and positions[r] += 1 for rows r < n. A recorded greedy or drawn decode step ends
+  // with it, so the following step can run before the host has read the token.
+  virtual void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions) = 0;
   // The residual add fused with the next norm: x[r] += delta[r], then out[r] = rms_norm(x[r]) * w.
   virtual void add_rms_norm(const float* delta, float* x, const WeightVector& w, int64_t rows,
                             int64_t dim, float eps, float* out) = 0;
@@ -163,6 +179,9 @@ class Backend {
   // Frees the graph recorded under `key` (its KV cache is gone); the number still held.
   virtual void drop_graph(uint64_t key) {}
   virtual size_t graph_count() const { return 0; }
+
+ private:
+  int32_t mailbox_[kMailboxSlots][kMailboxInts] = {};  // the default post_ints/take_ints
 };
 
 // Backend memory, freed on destruction.

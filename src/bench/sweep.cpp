@@ -76,20 +76,30 @@ std::vector<SweepResult> run_sweep(Model& model, const SweepOptions& o, double c
         }
       }
       if (o.generate_tokens > 0) {
-        // Tokens picked on the device, as `nibble run` does: greedy at temperature 0, else drawn.
-        auto decode = [&](int32_t last, int64_t pos) {
-          if (o.sampling.temperature == 0) return model.forward_greedy({&last, 1}, pos, kv);
-          return model.forward_sample({&last, 1}, pos, kv, sampler.next_device_inputs());
+        // Tokens picked on the device and decode steps pipelined, as `nibble run` does (greedy at
+        // temperature 0, else drawn): step n + 1 is queued on step n's token before the host reads it.
+        auto enqueue = [&](int32_t token, int64_t pos) {
+          if (o.sampling.temperature == 0) return model.decode_enqueue(token, pos, kv);
+          const SampleInputs in = sampler.next_device_inputs();
+          model.decode_enqueue(token, pos, kv, &in);
+        };
+        auto decode = [&](int32_t first, int64_t pos, int64_t n) {
+          enqueue(first, pos);
+          int32_t last = first;
+          for (int64_t step = 0; step < n; ++step) {
+            if (step + 1 < n) enqueue(-1, pos + step + 1);
+            last = model.decode_take(kv);
+          }
+          return last;
         };
         int32_t next = token(rng);
         const auto t0 = Clock::now();
-        for (int64_t step = 0; step < o.generate_tokens; ++step) next = decode(next, depth + step);
+        next = decode(next, depth, o.generate_tokens);
         if (keep) tg_tok_s.push_back(double(o.generate_tokens) / seconds_since(t0));
         // After the last repetition's timed steps, the same steps again under a device trace.
         if (rep == o.repetitions && o.profile_steps > 0) {
           if (model.backend().start_trace(&profile_error)) {
-            for (int64_t step = 0; step < o.profile_steps; ++step)
-              next = decode(next, depth + o.generate_tokens + step);
+            next = decode(next, depth + o.generate_tokens, o.profile_steps);
             profile = profile_steps(model.backend().stop_trace(), o.profile_steps);
           }
         }

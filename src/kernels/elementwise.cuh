@@ -102,6 +102,14 @@ __global__ void argmax_final_kernel(const float* __restrict__ part_val, const in
   if (threadIdx.x == 0) out[blockIdx.x] = best.idx == INT32_MAX ? 0 : best.idx;
 }
 
+// Backend::advance_decode: the next decode step's token ids and positions, one thread a row.
+__global__ void advance_decode_kernel(const int32_t* __restrict__ picked, int64_t n, int32_t* __restrict__ ids,
+                                      int32_t* __restrict__ positions) {
+  pdl_enter();
+  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r < n) ids[r] = picked[r], positions[r] += 1;
+}
+
 // kind: 0 = f32, 1 = bf16, 2 = u8 integers lo..hi, 3 = f16; values as the CPU backend's fill_random.
 __global__ void fill_random_kernel(void* __restrict__ dst, int kind, int64_t count, float lo, float hi,
                                    uint64_t seed) {

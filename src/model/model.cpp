@@ -89,6 +89,7 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
     }
     return;
   }
+  chain_pos_ = -1;  // a queued chain cannot continue past another step
   std::vector<int32_t> positions(static_cast<size_t>(T));
   for (int64_t t = 0; t < T; ++t) positions[size_t(t)] = int32_t(pos0 + t);
   const int64_t rows = all_logits ? T : 1;
@@ -122,43 +123,107 @@ void Model::run(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, bool
   }
   // Decode: the inputs go to fixed buffers, and the step runs as the graph recorded for this
   // cache and context bucket (so a 16K context records ~8 graphs).
-  if (!decode_ids_.data()) {
-    decode_ids_ = Buffer(backend_, 4);
-    decode_positions_ = Buffer(backend_, 4);
-    decode_logits_ = Buffer(backend_, size_t(vocab) * 4);
-    decode_token_ = Buffer(backend_, 4);
-    decode_sample_ = Buffer(backend_, sizeof(SampleInputs));
-  }
+  ensure_decode_buffers();
   backend_.copy_to_backend(decode_ids_.data(), tokens.data(), 4);
   backend_.copy_to_backend(decode_positions_.data(), positions.data(), 4);
   if (sample) backend_.copy_to_backend(decode_sample_.data(), sample, sizeof(SampleInputs));
-  Step step{decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>(), 1, bucket, false, decode_logits_.data()};
-  step.cache = &kv;
-  // Greedy and sampled steps record the argmax or the draw too: graphs of their own. The draw's
-  // parameters are read from device memory, so one graph serves every request's. Penalties
-  // (whose token list grows every step) run after the logits graph, then the pick.
-  const bool pick_in_graph = token_id && !penalties;
-  const uint64_t key = (id_ << 48) ^ (kv.id() << 24) ^ uint64_t(bucket) ^
-                       (pick_in_graph ? uint64_t(sample ? 2 : 1) << 46 : 0);
-  auto pick = [&] {
-    if (token_id && sample)
-      backend_.sample(decode_logits_.data(), vocab, decode_sample_.data<SampleInputs>(), decode_token_.data<int32_t>());
-    else if (token_id)
-      backend_.argmax(decode_logits_.data(), 1, vocab, decode_token_.data<int32_t>());
-  };
-  record_or_replay(key, [&] {
-    compute(step);
-    if (pick_in_graph) pick();
-  }, graph_keys_[kv.id()]);
+  // Penalties (whose token list grows every step) run after the logits graph, then the pick.
+  replay_decode(kv, bucket, token_id && !penalties, sample != nullptr);
   if (penalties) {
     const std::pair<int64_t, const TokenPenalties*> row{0, penalties};
     penalize(decode_logits_.data(), {&row, 1});
-    pick();
+    pick_decode(sample != nullptr);
   }
   if (token_id)
     backend_.copy_to_host(token_id, decode_token_.data(), 4);
   else
-    backend_.copy_to_host(logits->data(), decode_logits_.data(), size_t(vocab) * 4);
+    backend_.copy_to_host(logits->data(), decode_logits_.data(), size_t(config_.vocab_size) * 4);
+}
+
+void Model::ensure_decode_buffers() {
+  if (decode_ids_.data()) return;
+  decode_ids_ = Buffer(backend_, 4);
+  decode_positions_ = Buffer(backend_, 4);
+  decode_logits_ = Buffer(backend_, size_t(config_.vocab_size) * 4);
+  decode_token_ = Buffer(backend_, 4);
+  decode_sample_ = Buffer(backend_, sizeof(SampleInputs));
+}
+
+void Model::pick_decode(bool sample) {
+  if (sample)
+    backend_.sample(decode_logits_.data(), config_.vocab_size, decode_sample_.data<SampleInputs>(),
+                    decode_token_.data<int32_t>());
+  else
+    backend_.argmax(decode_logits_.data(), 1, config_.vocab_size, decode_token_.data<int32_t>());
+}
+
+void Model::replay_decode(KvCache& kv, int64_t bucket, bool pick, bool sample) {
+  Step step{decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>(), 1, bucket, false, decode_logits_.data()};
+  step.cache = &kv;
+  // Greedy and sampled steps record the pick too, and the next step's inputs from it: graphs of
+  // their own. The draw's parameters are read from device memory, so one graph serves every
+  // request's.
+  const uint64_t key = (id_ << 48) ^ (kv.id() << 24) ^ uint64_t(bucket) ^ (pick ? uint64_t(sample ? 2 : 1) << 46 : 0);
+  record_or_replay(key, [&] {
+    compute(step);
+    if (!pick) return;
+    pick_decode(sample);
+    backend_.advance_decode(decode_token_.data<int32_t>(), 1, decode_ids_.data<int32_t>(),
+                            decode_positions_.data<int32_t>());
+  }, graph_keys_[kv.id()]);
+}
+
+bool Model::decode_room(const KvCache& kv) const {
+  const auto mine = std::count_if(decode_queue_.begin(), decode_queue_.end(),
+                                  [&](const QueuedDecode& q) { return q.kv == kv.id(); });
+  return int64_t(decode_queue_.size()) < Backend::kMailboxSlots && mine < kDecodeQueue;
+}
+
+void Model::decode_enqueue(int32_t token, int64_t pos0, KvCache& kv, const SampleInputs* sample) {
+  const int64_t vocab = config_.vocab_size;
+  NIBBLE_CHECK(decode_room(kv), "decode_enqueue: {} steps are queued already", decode_queue_.size());
+  NIBBLE_CHECK(token < vocab, "token id {} is outside the vocabulary (0..{})", token, vocab - 1);
+  NIBBLE_CHECK(pos0 >= 0 && pos0 < kv.max_tokens(), "sequence of {} tokens does not fit the context of {} tokens",
+               pos0 + 1, kv.max_tokens());
+  const bool chained = token < 0;
+  NIBBLE_CHECK(!chained || decode_can_chain(kv, pos0),
+               "decode_enqueue: a step on the previous step's token must follow it (position {}, over the same cache)",
+               pos0);
+  if (!pipeline_decode_ || !use_graphs_ || tracer_ || !backend_.supports_graphs()) {
+    // Each step runs now; the chained token is the one the last step returned.
+    const int32_t in = chained ? chain_token_ : token;
+    const int32_t id = sample ? forward_sample({&in, 1}, pos0, kv, *sample) : forward_greedy({&in, 1}, pos0, kv);
+    decode_queue_.push_back({kv.id(), -1, id});
+    chain_token_ = id;
+  } else {
+    ensure_decode_buffers();
+    if (!chained) {  // a fresh chain: its first inputs from the host (in order after queued steps)
+      const int32_t position = int32_t(pos0);
+      backend_.copy_to_backend(decode_ids_.data(), &token, 4);
+      backend_.copy_to_backend(decode_positions_.data(), &position, 4);
+    }
+    // In order after the queued steps, which may still be reading the last draw's inputs.
+    if (sample) backend_.copy_to_backend_queued(decode_sample_.data(), sample, sizeof(SampleInputs));
+    replay_decode(kv, context_bucket(pos0 + 1, kv.max_tokens()), true, sample != nullptr);
+    int slot = 0;  // the first mailbox slot no queued step holds (decode_room: there is one)
+    while (std::any_of(decode_queue_.begin(), decode_queue_.end(), [&](const QueuedDecode& q) { return q.slot == slot; }))
+      ++slot;
+    backend_.post_ints(slot, decode_token_.data<int32_t>(), 1);
+    decode_queue_.push_back({kv.id(), slot, -1});
+  }
+  chain_kv_ = kv.id();
+  chain_pos_ = pos0;
+}
+
+int32_t Model::decode_take(const KvCache& kv) {
+  auto it = std::find_if(decode_queue_.begin(), decode_queue_.end(), [&](const QueuedDecode& q) { return q.kv == kv.id(); });
+  NIBBLE_CHECK(it != decode_queue_.end(), "decode_take: no decode step is queued over this cache");
+  const QueuedDecode q = *it;
+  decode_queue_.erase(it);
+  if (q.slot < 0) return q.token;
+  int32_t id = -1;
+  backend_.take_ints(q.slot, &id, 1);
+  return id;
 }
 
 bool Model::record_or_replay(uint64_t key, const std::function<void()>& ops, std::vector<uint64_t>& keys) {

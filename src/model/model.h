@@ -2,8 +2,9 @@
 // Architectures live in model/arch/, one file each, registered in model/registry.cpp.
 #pragma once
 
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <span>
@@ -93,6 +94,24 @@ class Model {
   // The same step with the token drawn on the device (Backend::sample with `in`).
   int32_t forward_sample(std::span<const int32_t> tokens, int64_t pos0, KvCache& kv, const SampleInputs& in,
                          const TokenPenalties& penalties = {});
+  // Pipelined decode of one sequence, its tokens picked on the device (greedy, or drawn with
+  // `sample`; no penalties): a step's input may be the token the step before it picked, still on
+  // the device, so the host queues step n + 1 before it takes step n's token and the device never
+  // waits on the host's round trip (the ~30 µs between steps that forward_greedy leaves).
+  // decode_enqueue queues the step at pos0 over `kv` for `token`, or, with token < 0, for the token
+  // of the last step queued on this model, which decode_can_chain(kv, pos0) must allow (it ran
+  // over `kv` at pos0 - 1, and there is room). decode_take returns the token of the oldest step
+  // queued over `kv`, waiting for it. Up to kDecodeQueue steps per cache and
+  // Backend::kMailboxSlots in all (decode_room); a step queued and not wanted (the sequence
+  // stopped) is taken and dropped by the caller. Without graphs (the CPU backend,
+  // --enforce-eager) each step runs when queued.
+  static constexpr int kDecodeQueue = 2;
+  void decode_enqueue(int32_t token, int64_t pos0, KvCache& kv, const SampleInputs* sample = nullptr);
+  bool decode_room(const KvCache& kv) const;
+  bool decode_can_chain(const KvCache& kv, int64_t pos0) const {
+    return decode_room(kv) && chain_kv_ == kv.id() && chain_pos_ >= 0 && chain_pos_ + 1 == pos0;
+  }
+  int32_t decode_take(const KvCache& kv);
   // Several sequences in one step over a shared KvPool (a server's batch): every weight is read
   // once for all of them. Decode steps (one token per sequence) are recorded per (batch size
   // bucket, context bucket) and replayed, padded to the bucket with rows that write only to the
@@ -207,6 +226,26 @@ class Model {
   bool use_graphs_ = true;
   // Fixed addresses for recorded steps.
   Buffer decode_ids_, decode_positions_, decode_logits_, decode_token_, decode_sample_;
+  // A recorded single-sequence decode step over `kv` at `bucket` (its inputs already in decode_ids_
+  // and decode_positions_), with the pick (argmax, or the draw with `sample`) and advance_decode
+  // when `pick`.
+  void replay_decode(KvCache& kv, int64_t bucket, bool pick, bool sample);
+  void ensure_decode_buffers();
+  // The decode step's token from decode_logits_ into decode_token_: the argmax, or the draw.
+  void pick_decode(bool sample);
+  // decode_enqueue's queue, oldest first: per step its cache, its mailbox slot (graphs) or its
+  // token (eager); the last queued step's cache and position, which a chained step must follow.
+  struct QueuedDecode {
+    uint64_t kv;
+    int slot;
+    int32_t token;
+  };
+  std::vector<QueuedDecode> decode_queue_;
+  uint64_t chain_kv_ = 0;
+  int64_t chain_pos_ = -1;
+  int32_t chain_token_ = -1;  // without graphs: the last queued step's token
+  // NIBBLE_NO_DECODE_PIPELINE=1: decode_enqueue runs each step when queued (A/B runs).
+  bool pipeline_decode_ = std::getenv("NIBBLE_NO_DECODE_PIPELINE") == nullptr;
   std::vector<uint64_t> capture_failures_;  // keys whose recording failed (tried at most twice)
   std::unordered_map<uint64_t, std::vector<uint64_t>> graph_keys_;  // KvCache id -> keys recorded for it
   std::unordered_map<uint64_t, std::vector<uint64_t>> pool_graph_keys_;  // KvPool id -> keys

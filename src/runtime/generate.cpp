@@ -104,8 +104,19 @@ void Sequence::finish_length(const TokenCallback& on_token) {
 Generation::Generation(Model& model, const Tokenizer& tokenizer, GenerateRequest request)
     : model_(model), seq_(model, tokenizer, std::move(request)), kv_(model.make_kv_cache(seq_.max_tokens())) {}
 
-// The cache dies with the generation; so do the decode steps recorded for it.
-Generation::~Generation() { model_.release_graphs(kv_); }
+// The cache dies with the generation; so do the decode steps recorded for it (and any step still
+// queued over it).
+Generation::~Generation() {
+  try {
+    drain();
+  } catch (...) {  // a device error already reported by the step that met it
+  }
+  model_.release_graphs(kv_);
+}
+
+void Generation::drain() {
+  for (; queued_ > 0; --queued_) model_.decode_take(kv_);
+}
 
 void Generation::step(const TokenCallback& on_token, int64_t max_prefill_tokens) {
   using Clock = std::chrono::steady_clock;
@@ -131,7 +142,27 @@ void Generation::step(const TokenCallback& on_token, int64_t max_prefill_tokens)
     pos0 = int64_t(seq_.tokens().size()) - 1;
   }
   int32_t id = -1;
-  switch (seq_.pick()) {
+  const Output pick = seq_.pick();
+  if (!prefill && pick != Output::kLogits && !seq_.penalties().active() && (queued_ > 0 || model_.decode_room(kv_))) {
+    // Pipelined: this step is queued already (or is queued now), and the next one is queued on
+    // its token before the host reads it, when the sequence can still want it (and no other
+    // sequence's step ran on the model in between).
+    auto enqueue = [&](int32_t token, int64_t pos) {
+      SampleInputs in;
+      if (pick == Output::kSample) in = seq_.next_sample_inputs();
+      model_.decode_enqueue(token, pos, kv_, pick == Output::kSample ? &in : nullptr);
+      ++queued_;
+    };
+    if (queued_ == 0) enqueue(tokens[0], pos0);
+    if (pos0 + 2 <= seq_.max_tokens() && model_.decode_can_chain(kv_, pos0 + 1)) enqueue(-1, pos0 + 1);
+    id = model_.decode_take(kv_);
+    --queued_;
+    seq_.result().decode_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    seq_.accept(id, logits_, on_token);
+    if (seq_.done()) drain();  // a step queued past an EOS or a stop string is not wanted
+    return;
+  }
+  switch (pick) {
     case Output::kGreedy:
       id = model_.forward_greedy(tokens, pos0, kv_, seq_.penalties());
       break;

@@ -110,9 +110,12 @@ class Generation {
   const GenerateRequest& request() const { return seq_.request(); }
 
  private:
+  // Takes and drops the decode steps still queued (Model::decode_enqueue).
+  void drain();
   Model& model_;
   Sequence seq_;
   int64_t prefilled_ = 0;
+  int64_t queued_ = 0;  // decode steps queued on the model and not yet taken
   KvCache kv_;
   std::vector<float> logits_;
 };

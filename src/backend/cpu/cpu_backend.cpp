@@ -313,6 +313,10 @@ class CpuBackend final : public Backend {
   void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
     for (int64_t r = 0; r < rows; ++r) out[r] = int32_t(std::max_element(x + r * n, x + (r + 1) * n) - (x + r * n));
   }
+
+  void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions) override {
+    for (int64_t r = 0; r < n; ++r) ids[r] = picked[r], positions[r] += 1;
+  }
 };
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -163,6 +164,12 @@ class CudaBackend final : public Backend {
     }
     route_counter_ = Buffer();
     attention_counters_ = Buffer();
+    for (cudaEvent_t e : mailbox_events_)
+      if (e) cudaEventDestroy(e);
+    for (cudaEvent_t e : staging_events_)
+      if (e) cudaEventDestroy(e);
+    if (host_mailbox_) cudaFreeHost(host_mailbox_);
+    if (staging_) cudaFreeHost(staging_);
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
     for (auto& [size, blocks] : free_blocks_)
       for (void* p : blocks) cudaFree(p);
@@ -219,6 +226,36 @@ class CudaBackend final : public Backend {
   }
   void copy_to_host(void* dst, const void* src, size_t bytes) override {
     CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+  }
+
+  // Decode pipelining: pinned host memory that copies run from and into while the host goes on,
+  // each slot with the event of its last copy. The staging ring's slots are reused in turn, after
+  // their last copy has run.
+  void copy_to_backend_queued(void* dst, const void* src, size_t bytes) override {
+    if (bytes > kStagingBytes || capturing_) return copy_to_backend(dst, src, bytes);
+    ensure_host_slots();
+    const int slot = staging_next_;
+    staging_next_ = (staging_next_ + 1) % kStagingSlots;
+    CUDA_CHECK(cudaEventSynchronize(staging_events_[slot]));
+    uint8_t* host = staging_ + size_t(slot) * kStagingBytes;
+    std::memcpy(host, src, bytes);
+    CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, cudaStreamPerThread));
+    CUDA_CHECK(cudaEventRecord(staging_events_[slot], cudaStreamPerThread));
+  }
+  void post_ints(int slot, const int32_t* src, int64_t n) override {
+    NIBBLE_CHECK(slot >= 0 && slot < kMailboxSlots && n >= 0 && n <= kMailboxInts,
+                 "post_ints: slot {} of {}, {} ints of at most {}", slot, kMailboxSlots, n, kMailboxInts);
+    ensure_host_slots();
+    CUDA_CHECK(cudaMemcpyAsync(host_mailbox_ + slot * kMailboxInts, src, size_t(n) * 4, cudaMemcpyDeviceToHost,
+                               cudaStreamPerThread));
+    CUDA_CHECK(cudaEventRecord(mailbox_events_[slot], cudaStreamPerThread));
+  }
+  void take_ints(int slot, int32_t* dst, int64_t n) override {
+    NIBBLE_CHECK(slot >= 0 && slot < kMailboxSlots && n >= 0 && n <= kMailboxInts,
+                 "take_ints: slot {} of {}, {} ints of at most {}", slot, kMailboxSlots, n, kMailboxInts);
+    ensure_host_slots();
+    CUDA_CHECK(cudaEventSynchronize(mailbox_events_[slot]));
+    std::copy(host_mailbox_ + slot * kMailboxInts, host_mailbox_ + slot * kMailboxInts + n, dst);
   }
 
   LinearWeight upload(const LinearWeight& host) override {
@@ -644,6 +681,9 @@ class CudaBackend final : public Backend {
 
   void begin_capture(uint64_t key) override {
     NIBBLE_ASSERT(!capturing_);
+    // Not while queued steps (Model::decode_enqueue) run: the capture records only new work, but a
+    // first recording may build tables with copies that would wait on them mid-capture.
+    CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
     CUDA_CHECK(cudaStreamBeginCapture(cudaStreamPerThread, cudaStreamCaptureModeRelaxed));
     capturing_ = true;
     capture_failed_ = false;
@@ -696,6 +736,12 @@ class CudaBackend final : public Backend {
     OpProfiler::Scope scope(profiler_, "graph step");
     CUDA_CHECK(cudaGraphLaunch(it->second, cudaStreamPerThread));
     return true;
+  }
+
+  void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions) override {
+    OpProfiler::Scope scope(profiler_, "advance_decode");
+    cuda::advance_decode(picked, n, ids, positions);
+    CUDA_CHECK_LAUNCH("advance_decode");
   }
 
   void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
@@ -995,6 +1041,19 @@ class CudaBackend final : public Backend {
     return buf->data();
   }
 
+  void ensure_host_slots() {
+    if (host_mailbox_) return;
+    CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_mailbox_), kMailboxSlots * kMailboxInts * 4, 0));
+    CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&staging_), kStagingSlots * kStagingBytes, 0));
+    for (cudaEvent_t& e : mailbox_events_) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    for (cudaEvent_t& e : staging_events_) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  static constexpr int kStagingSlots = 8;
+  static constexpr size_t kStagingBytes = 4096;
+  int32_t* host_mailbox_ = nullptr;
+  uint8_t* staging_ = nullptr;
+  int staging_next_ = 0;
+  cudaEvent_t mailbox_events_[kMailboxSlots] = {}, staging_events_[kStagingSlots] = {};
   OpProfiler profiler_;
   bool capturing_ = false, capture_failed_ = false;
   std::unordered_map<uint64_t, cudaGraphExec_t> graphs_;

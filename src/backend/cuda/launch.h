@@ -157,6 +157,8 @@ void add(const float* x, int64_t count, float* y);
 // Row-wise arg-max (lowest index on ties); scratch: argmax_scratch_bytes(rows) of device memory.
 int64_t argmax_scratch_bytes(int64_t rows);
 void argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch);
+// Backend::advance_decode.
+void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions);
 // Backend::apply_penalties (sampling.cu).
 void apply_penalties(float* logits, int64_t n, const PenaltyRow* rows, int64_t n_rows, const PenaltyToken* tokens);
 // Backend::sample for one row of n <= kSampleMaxVocab logits (sampling.cu); scratch:

@@ -661,6 +661,10 @@ void argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch
   launch_pdl(kernels::argmax_final_kernel, unsigned(rows), 32, part_val, part_idx, out);
 }
 
+void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions) {
+  launch_pdl(kernels::advance_decode_kernel, blocks_for(n, 128), 128, picked, n, ids, positions);
+}
+
 void add(const float* x, int64_t count, float* y) {
   kernels::add_kernel<<<blocks_for(count, 256), 256>>>(x, count, y);
 }
