@@ -171,7 +171,7 @@ void add_run_command(CLI::App& app) {
   cmd->add_flag("--enforce-eager", o->enforce_eager, "Launch every op as it comes (no recorded graphs)");
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype, "KV cache element type: auto (float16), float32 or fp8 (E4M3, half the bytes of float16)");
   cmd->add_option("--quantize-layers", o->quantize_layers,
-                  "Quantize these 16-bit layers to 4 bits at load: a list of lm_head, qkv, o (see --quantize-format)");
+                  "Quantize these 16-bit layers to 4 bits at load: a list of lm_head, qkv, o, router (see --quantize-format)");
   cmd->add_option("--quantize-format", o->quantize_format,
                   "Format of --quantize-layers: int4 (group 128, the default) or mxfp4 (blocks of 32, gpt-oss's)");
   cmd->callback([o] { run(*o); });

@@ -232,6 +232,7 @@ struct GemvIo {
   float eps;
   bool accumulate;
   float* normed_out = nullptr;  // split-K kernel with the norm: block 0 also writes the normalised rows here
+  void* staged_out = nullptr;   // INT4 mma kernel with the norm: block 0 also writes its staged rows here
 };
 
 // y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b) for m <= M activation rows. PDL: the first weight rows

@@ -271,6 +271,12 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
   __syncthreads();
   NIBBLE_TIMELINE_MARK();
+  if (io.staged_out && blockIdx.x == 0) {  // the staged rows for a 4-bit router's gate/up (GemvIo)
+    const int units = int(k / 8);
+    for (int i = threadIdx.x; i < m * units; i += blockDim.x)
+      reinterpret_cast<uint4*>(io.staged_out)[i] =
+          reinterpret_cast<const uint4*>(xs + (i / units) * mma_x_stride(k))[i % units];
+  }
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, k, m), acc);
   __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]

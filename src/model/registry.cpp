@@ -32,10 +32,9 @@ std::vector<std::string> parse_quantize_layers(const std::string& list) {
   while (at <= list.size() && !list.empty()) {
     const size_t comma = std::min(list.find(',', at), list.size());
     const std::string role = list.substr(at, comma - at);
-    NIBBLE_CHECK(role != "router", "--quantize-layers router: not supported yet (the fused MoE decode "
-                 "kernel reads a 16-bit router; quantized, decode would leave it for the slower path)");
-    NIBBLE_CHECK(role == "lm_head" || role == "qkv" || role == "o",
-                 "--quantize-layers: unknown layer '{}' (expected a comma-separated list of lm_head, qkv, o)", role);
+    NIBBLE_CHECK(role == "lm_head" || role == "qkv" || role == "o" || role == "router",
+                 "--quantize-layers: unknown layer '{}' (expected a comma-separated list of lm_head, qkv, o, router)",
+                 role);
     roles.push_back(role);
     at = comma + 1;
   }

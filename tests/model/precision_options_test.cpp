@@ -104,10 +104,15 @@ TEST_P(PrecisionOptionsTest, QuantizeLayersAgainstSixteenBitLayers) {
   };
   const std::string bundled = std::string(NIBBLE_MODELS_DIR) + "/nibble-tiny-coder";
   const std::string tiny = std::string(NIBBLE_FIXTURES_DIR) + "/models/tiny-qwen3-moe";
+  const std::string bundled_int4 = bundled + "-int4";  // INT4 experts: on the GPU the fused MoE decode
   const Case cases[] = {
       {bundled, {"lm_head"}, 0.12, 0.03, 0.95},
       {bundled, {"qkv", "o"}, 0.4, 0.15, 0.85},
       {bundled, {"lm_head", "qkv", "o"}, 0.4, 0.2, 0.85},
+      // The router: 4-bit logits can swap experts near a tie (the expert kernels are exact).
+      {bundled, {"router"}, 0.15, 0.012, 0.95},
+      {bundled_int4, {"router"}, 0.2, 0.006, 0.9},
+      {bundled, {"lm_head", "router"}, 0.18, 0.04, 0.9},
       // Random weights: near-flat distributions whose argmax a small error moves; the lm_head
       // alone, for the untied path.
       {tiny, {"lm_head"}, 0.2, 0.03, 0.7},
@@ -163,7 +168,7 @@ TEST_P(PrecisionOptionsTest, Fp8KvCacheAgainstF16) {
 
 TEST(QuantizeLayers, BadListsAreRefused) {
   EXPECT_TRUE(parse_quantize_layers("").empty());
-  EXPECT_EQ(parse_quantize_layers("lm_head,qkv,o"), (std::vector<std::string>{"lm_head", "qkv", "o"}));
+  EXPECT_EQ(parse_quantize_layers("lm_head,qkv,o,router"), (std::vector<std::string>{"lm_head", "qkv", "o", "router"}));
   auto message = [](const std::string& list) {
     try {
       parse_quantize_layers(list);
@@ -174,7 +179,7 @@ TEST(QuantizeLayers, BadListsAreRefused) {
   };
   EXPECT_NE(message("lm_head,mlp").find("unknown layer 'mlp'"), std::string::npos) << message("lm_head,mlp");
   EXPECT_NE(message("lm_head,").find("unknown layer ''"), std::string::npos) << message("lm_head,");
-  EXPECT_NE(message("router").find("not supported yet"), std::string::npos) << message("router");
+  EXPECT_NE(message("experts").find("unknown layer 'experts'"), std::string::npos) << message("experts");
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, PrecisionOptionsTest, ::testing::Values("cpu", "cuda"),

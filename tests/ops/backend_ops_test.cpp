@@ -10,7 +10,9 @@
 // Without a GPU (or in a build without CUDA) the tests report as skipped.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -670,17 +672,24 @@ TEST_F(OpsTest, FusedResidualOps) {
   // for gate/up; H = 4096 has gate/up stage them itself. NIBBLE_MOE_ROUTER_ROUTES=1 runs the
   // cluster router (E <= 128) and the last-block counter (E = 512) instead. Also Qwen3-30B-A3B's
   // expert shapes (2048 x 768, top 8, symmetric), a partial group of 1024 k along H (1280), and
-  // 32- and 64-wide groups with and without zero points.
-  for (auto [H, inter, E, top_k, group, symmetric] :
-       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>{1024, 768, 16, 4, 128, false},
-        {512, 256, 128, 8, 128, false}, {256, 256, 512, 8, 128, false}, {512, 256, 40, 8, 128, false},
-        {4096, 256, 64, 6, 128, false}, {2048, 768, 16, 8, 128, true}, {1280, 768, 24, 8, 32, false},
-        {1280, 512, 12, 5, 64, true}})
+  // 32- and 64-wide groups with and without zero points. An INT4 router (--quantize-layers
+  // router) takes the INT4 decode GEMV, whose activations are f16: its cases draw x until every
+  // token's k-th and (k+1)-th logits are apart by 0.2% of the largest (~10x that rounding's
+  // typical effect), so that the CPU and the GPU pick the same experts; 128 experts of 2048 take
+  // the GEMV's few-tiles shape and hand gate/up the staged rows.
+  for (auto [H, inter, E, top_k, group, symmetric, router_format] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool, WeightFormat>{1024, 768, 16, 4, 128, false,
+                                                                                  WeightFormat::kBF16},
+        {512, 256, 128, 8, 128, false, WeightFormat::kBF16}, {256, 256, 512, 8, 128, false, WeightFormat::kBF16},
+        {512, 256, 40, 8, 128, false, WeightFormat::kBF16}, {4096, 256, 64, 6, 128, false, WeightFormat::kBF16},
+        {2048, 768, 16, 8, 128, true, WeightFormat::kBF16}, {1280, 768, 24, 8, 32, false, WeightFormat::kBF16},
+        {1280, 512, 12, 5, 64, true, WeightFormat::kBF16}, {2048, 768, 128, 8, 128, true, WeightFormat::kInt4},
+        {1024, 256, 40, 4, 128, false, WeightFormat::kInt4}})
     for (int64_t m : {1, 2, 8, 12}) {
       MoeWeights host, dev;
       host.top_k = dev.top_k = top_k;
       host.normalize = dev.normalize = m != 2;
-      host.router = random_weight(WeightFormat::kBF16, E, H);
+      host.router = random_weight(router_format, E, H, 128);
       dev.router = gpu_->upload(host.router);
       for (int64_t e = 0; e < E; ++e) {
         host.experts.push_back({random_weight(WeightFormat::kInt4, inter, H, group, false, symmetric),
@@ -691,6 +700,20 @@ TEST_F(OpsTest, FusedResidualOps) {
       }
       WeightVector norm = host_vector(random(H));
       auto x = random(m * H, 2.f);
+      for (int attempt = 0; router_format == WeightFormat::kInt4; ++attempt) {
+        ASSERT_LT(attempt, 100) << "no x with separated top-k logits";
+        std::vector<float> normed(size_t(m * H)), logits(size_t(m * E));
+        cpu_->rms_norm(x.data(), norm, m, H, 1e-6f, normed.data());
+        cpu_->linear(host.router, normed.data(), m, logits.data());
+        bool apart = true;
+        for (int64_t t = 0; t < m; ++t) {
+          std::vector<float> row(logits.begin() + t * E, logits.begin() + (t + 1) * E);
+          std::sort(row.begin(), row.end(), std::greater<>());
+          apart = apart && row[size_t(top_k - 1)] - row[size_t(top_k)] >= 2e-3f * std::max(row[0], -row.back());
+        }
+        if (apart) break;
+        x = random(m * H, 2.f);
+      }
       std::vector<float> want = x;
       cpu_->rms_norm_moe_add(norm, 1e-6f, host, m, want.data());
       float* got = on_gpu(x);
@@ -698,11 +721,13 @@ TEST_F(OpsTest, FusedResidualOps) {
       for (int rep = 0; rep < 2; ++rep) {
         gpu_->copy_to_backend(got, x.data(), x.size() * 4);
         gpu_->rms_norm_moe_add(gpu_->upload(norm), 1e-6f, dev, m, got);
-        // INT4 experts: f16 activations on the tensor cores at every m.
+        // INT4 experts: f16 activations on the tensor cores at every m. With an INT4 router its
+        // logits come from f16 activations too, and the routing weights carry their error.
         expect_close(to_host(got, m * H), want,
-                     fmt::format("rms_norm_moe_add {}x{} E={} k={} g{}{} m={} rep {}", H, inter, E, top_k, group,
-                                 symmetric ? " sym" : "", m, rep),
-                     kF16Tolerance);
+                     fmt::format("rms_norm_moe_add {}x{} E={} k={} g{}{}{} m={} rep {}", H, inter, E, top_k, group,
+                                 symmetric ? " sym" : "",
+                                 router_format == WeightFormat::kInt4 ? " int4 router" : "", m, rep),
+                     router_format == WeightFormat::kInt4 ? 3 * kF16Tolerance : kF16Tolerance);
       }
     }
 }

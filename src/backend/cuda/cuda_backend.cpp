@@ -822,13 +822,17 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH("gemv");
   }
 
-  // The fused MoE decode: router GEMV + routing in one launch, then gate/up (+SiLU) and down (+the
+  // The fused MoE decode: the router's logits in one launch, then gate/up (+SiLU) and down (+the
   // routing-weighted sum, + the residual when accumulate) over all selected experts in one launch
-  // each. Needs interleaved INT4 experts and a dense router in a GEMV layout.
+  // each, routing for themselves. Needs interleaved INT4 experts and a router in a GEMV layout
+  // (16-bit, or 4-bit from --quantize-layers router).
   bool moe_decode(const MoeWeights& w, int64_t m) {
     return m <= cuda::kGemvMaxM && w.top_k <= cuda::kMoeDecodeMaxTopK && w.router.n <= cuda::kMoeMaxExperts &&
-           m * w.router.k * 4 <= cuda::kMoeRouterMaxStagedBytes && w.router.format != WeightFormat::kInt4 &&
-           gemv_layout(w.router) && plain_moe(w) && expert_tables(w);
+           m * w.router.k * 4 <= cuda::kMoeRouterMaxStagedBytes && gemv_layout(w.router) && plain_moe(w) &&
+           expert_tables(w);
+  }
+  static bool four_bit(const LinearWeight& w) {
+    return w.format == WeightFormat::kInt4 || w.format == WeightFormat::kMxfp4;
   }
   void run_moe_decode(const MoeWeights& w, const float* x, const float* norm, float eps, int64_t m, float* out,
                       bool accumulate) {
@@ -842,7 +846,14 @@ class CudaBackend final : public Backend {
     // the router routes (a thread-block cluster), as before, for A/B runs.
     static const bool router_routes = std::getenv("NIBBLE_MOE_ROUTER_ROUTES") != nullptr;
     cuda::MoeRouting routing;
-    if (router_routes) {
+    if (four_bit(w.router)) {
+      // A 4-bit router: the decode GEMV normalises x, writes the logits (its activations in f16,
+      // as every 4-bit product's) and, INT4, its staged rows for gate/up.
+      const bool staged = w.router.format == WeightFormat::kInt4 && H % 8 == 0;
+      gemv(w.router, x, m, logits.data(), {norm, eps, false, nullptr, staged ? xn.data() : nullptr});
+      if (staged) routing.xn = xn.data();
+      routing.logits = logits.data(), routing.normalize = w.normalize;
+    } else if (router_routes) {
       cuda::moe_router(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(), K,
                        w.normalize, ids.data<int32_t>(), weights.data(), route_counter_.data<unsigned>());
       routing.ids = ids.data<int32_t>(), routing.weights = weights.data();

@@ -54,6 +54,9 @@ struct GemvIo {
   // With `norm`, gemv_dense also writes the normalised rows here ([m, k] f32): gpt-oss's router,
   // whose MoE kernels read them (a separate norm launch where the split-K kernel does not run).
   float* normed_out = nullptr;
+  // With `norm`, gemv_int4 also writes the normalised rows as its blocks stage them (f16 in the
+  // decode mma order, [m, k]): a 4-bit MoE router, whose gate/up kernel copies them (MoeRouting::xn).
+  void* staged_out = nullptr;
 };
 // Decode GEMV (m <= kGemvMaxM activation rows).
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,

@@ -88,7 +88,7 @@ void dispatch_norm(const GemvIo& io, Fn&& fn) {
     fn(std::false_type{});
 }
 
-kernels::GemvIo to_kernel(const GemvIo& io) { return {io.norm, io.eps, io.accumulate, io.normed_out}; }
+kernels::GemvIo to_kernel(const GemvIo& io) { return {io.norm, io.eps, io.accumulate, io.normed_out, io.staged_out}; }
 
 constexpr unsigned kDenseBlocksPerSm = 8;
 
@@ -284,12 +284,18 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
   const size_t smem = size_t(kernels::mma_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_cpg(w.group_shift, [&](auto CPG) {
-      dispatch_mma_split(k, [&](auto KS, auto NTB) {
+      auto go = [&](auto KS, auto NTB) {
         const auto kernel = kernels::gemv_int4_mma_kernel<CPG.value, kNorm.value, KS.value, NTB.value>;
         allow_smem(kernel, smem);
         launch_pdl_smem(kernel, blocks_for((n + 15) / 16, NTB.value), 32 * KS.value * NTB.value, smem, kw, bias, x, y,
                         int(m), n, k, to_kernel(io));
-      }, m);
+      };
+      // A few tiles (a 4-bit MoE router: 128 rows) with long rows: 8 warps along K and a tile a
+      // block, so that each warp's serial share is short (the router is on the critical path).
+      if ((n + 15) / 16 <= 16 && k >= 2048 && m <= 2)
+        go(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
+      else
+        dispatch_mma_split(k, go, m);
     });
   });
 }
