@@ -355,6 +355,17 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
 // shared memory is WARPS x ROWS x HD floats).
 constexpr int kDecodeTcTile = 16, kDecodeTcRows = 16;
 
+// The merge's shared-memory column of output n-tile nt, half b (0, 1) of thread quad lane t4:
+// t4 + 4 (nt mod 8) + 32 (b + 2 (nt / 8)), a bijection onto 0 .. HD - 1 (HD / 8 n-tiles). With rows
+// HD + 4 floats apart (4 mod 32), one store (fixed nt and b) of rows g = lane / 4 lands on banks
+// 4g + t4 + const: all 32 distinct. decode_tc_dim inverts it (the dim a column holds).
+__device__ __forceinline__ int decode_tc_column(int t4, int nt, int b) { return t4 + 4 * (nt % 8) + 32 * (b + 2 * (nt / 8)); }
+template <int HD>
+__device__ __forceinline__ int decode_tc_dim(int c) {
+  const int t4 = c % 4, hi = c / 32, nt = c / 4 % 8 + 8 * (hi / 2), b = hi % 2;
+  return HD / 8 * (2 * t4 + b) + nt;
+}
+
 // The attention prologue (norm.cuh qk_norm_rope_kv_write_kernel) fused into the tensor-core decode
 // kernel, for steps whose every token is its sequence's one new token: q, k and v come raw from the
 // projection, each block normalises and rotates its q heads as it builds their fragments (RoPE's
@@ -382,7 +393,11 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   constexpr int kVUnits = kDimsPerGroup / 8;
   constexpr float kInf = __builtin_huge_valf();
   __shared__ float s_m[kDecodeTcWarps][ROWS], s_l[kDecodeTcWarps][ROWS];
-  __shared__ __align__(16) float s_o[kDecodeTcWarps][ROWS][HD];
+  // The warps' O rows for the merge, in a column order that spreads each store over the banks
+  // (o_column): in dim order a row's 32 lanes all hit one bank (32-way conflicts, the merge took
+  // ~2.7 µs of attention's 8 at depth 0).
+  __shared__ __align__(16) float s_o[kDecodeTcWarps][ROWS][HD + 4];
+  __shared__ float s_f[kDecodeTcWarps][ROWS];  // each warp's rescale factor in the merge
   __shared__ float s_max[ROWS], s_sum[ROWS];
   const int64_t t = blockIdx.x / n_head_kv, kv = blockIdx.x % n_head_kv, split = blockIdx.y;
   const int group = int(n_head / n_head_kv);
@@ -501,6 +516,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     }
   }
 
+  NIBBLE_TIMELINE_MARK_AT(1);  // thread 0's q fragments built
   if (writes_new && warp < 2) {
     // Warp 0: the new key (RMSNorm, RoPE), warp 1: the new value, to the cache and shared memory.
     const int64_t row = kv_pool_row(block_table, block_size_log2, pos_new) * row_stride + kv * HD;
@@ -526,6 +542,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     }
   }
   if (writes_new) __syncthreads();  // the new row in shared memory
+  NIBBLE_TIMELINE_MARK_AT(2);
   float o[kDimsPerGroup][4];
 #pragma unroll
   for (int d = 0; d < kDimsPerGroup; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
@@ -585,16 +602,16 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     }
   }
 
-  NIBBLE_TIMELINE_MARK();
+  NIBBLE_TIMELINE_MARK_AT(0);  // the loop done
   // Merge the warps: (max, sum) per row, O rows; row r of this thread is head g + 8r.
 #pragma unroll
   for (int r = 0; r < ROWS / 8; ++r) {
     const float l = quad_sum(row_l[r]);
     if (t4 == 0) s_m[warp][g + 8 * r] = row_m[r], s_l[warp][g + 8 * r] = l;
 #pragma unroll
-    for (int nt = 0; nt < kDimsPerGroup; ++nt) {
-      s_o[warp][g + 8 * r][kDimsPerGroup * (2 * t4) + nt] = o[nt][2 * r];
-      s_o[warp][g + 8 * r][kDimsPerGroup * (2 * t4 + 1) + nt] = o[nt][2 * r + 1];
+    for (int nt = 0; nt < kDimsPerGroup; ++nt) {  // dims HD / 8 · (2 t4 + b) + nt
+      s_o[warp][g + 8 * r][decode_tc_column(t4, nt, 0)] = o[nt][2 * r];
+      s_o[warp][g + 8 * r][decode_tc_column(t4, nt, 1)] = o[nt][2 * r + 1];
     }
   }
   __syncthreads();
@@ -604,20 +621,22 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     for (int w = 0; w < kDecodeTcWarps; ++w) mx = fmaxf(mx, s_m[w][tid]);
     float l = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDecodeTcWarps; ++w)
-      if (s_m[w][tid] != -kInf) l += s_l[w][tid] * exp2f(s_m[w][tid] - mx);
+    for (int w = 0; w < kDecodeTcWarps; ++w) {
+      const float f = s_m[w][tid] != -kInf ? exp2f(s_m[w][tid] - mx) : 0.f;  // 0: a warp with no positions
+      l += s_l[w][tid] * f;
+      s_f[w][tid] = f;
+    }
     s_max[tid] = mx;
     s_sum[tid] = l;
   }
   __syncthreads();
   const int rows = ::min(group, ROWS);
-  for (int i = tid; i < rows * HD; i += kThreads) {
-    const int h = i / HD, d = i % HD;
+  for (int i = tid; i < rows * HD; i += kThreads) {  // consecutive threads, consecutive columns
+    const int h = i / HD, d = decode_tc_dim<HD>(i % HD);
     const float mx = s_max[h];
     float acc = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDecodeTcWarps; ++w)
-      if (s_m[w][h] != -kInf) acc += s_o[w][h][d] * exp2f(s_m[w][h] - mx);
+    for (int w = 0; w < kDecodeTcWarps; ++w) acc += s_o[w][h][i % HD] * s_f[w][h];
     // The max in log2 units here, natural-log units in the partial.
     decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, n_active - first_split == 1, d,
                            acc, mx * 0.6931471805599453f, s_sum[h], sink_logit(mods, kv * group + h));

@@ -55,6 +55,9 @@ static_assert(sizeof(TimelineRecord) == 48, "tools/timeline.py's REC reads this 
 static __device__ TimelineRecord* g_timeline_records = nullptr;
 static __device__ unsigned long long g_timeline_next = 0;
 static __device__ unsigned long long g_timeline_mask = 0;
+// Which of a kernel's alternative mark points records (NIBBLE_TIMELINE_MARK_AT, default 0): a
+// kernel with several NIBBLE_TIMELINE_MARK_AT(n) points is timed to each in turn, one run a point.
+static __device__ int g_timeline_mark_at = 0;
 
 __device__ __forceinline__ uint64_t timeline_now() {
   uint64_t t;
@@ -95,10 +98,15 @@ struct TimelineBlock {
 #define NIBBLE_TIMELINE_BLOCK(kernel) ::nibble::kernels::TimelineBlock timeline_(::nibble::kernels::TimelineKernel::kernel)
 #define NIBBLE_TIMELINE_WAITED() timeline_.waited()
 #define NIBBLE_TIMELINE_MARK() timeline_.mark()
+#define NIBBLE_TIMELINE_MARK_AT(n) \
+  do {                            \
+    if (::nibble::kernels::g_timeline_mark_at == (n)) timeline_.mark(); \
+  } while (0)
 #else
 #define NIBBLE_TIMELINE_BLOCK(kernel) ((void)0)
 #define NIBBLE_TIMELINE_WAITED() ((void)0)
 #define NIBBLE_TIMELINE_MARK() ((void)0)
+#define NIBBLE_TIMELINE_MARK_AT(n) ((void)0)
 #endif
 
 }  // namespace nibble::kernels

@@ -714,6 +714,9 @@ bool timeline_start(int64_t capacity, std::string* why_not) {
   cudaMemcpyToSymbol(kernels::g_timeline_records, &g_host_timeline, sizeof(g_host_timeline));
   cudaMemcpyToSymbol(kernels::g_timeline_next, &zero, sizeof(zero));
   cudaMemcpyToSymbol(kernels::g_timeline_mask, &mask, sizeof(mask));
+  const char* at = std::getenv("NIBBLE_TIMELINE_MARK_AT");
+  const int mark_at = at ? std::atoi(at) : 0;
+  cudaMemcpyToSymbol(kernels::g_timeline_mark_at, &mark_at, sizeof(mark_at));
   if (cudaDeviceSynchronize() != cudaSuccess) {
     *why_not = "the timeline could not be set up on the device";
     return false;
