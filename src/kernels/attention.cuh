@@ -369,9 +369,10 @@ __device__ __forceinline__ int decode_tc_dim(int c) {
 // The attention prologue (norm.cuh qk_norm_rope_kv_write_kernel) fused into the tensor-core decode
 // kernel, for steps whose every token is its sequence's one new token: q, k and v come raw from the
 // projection, each block normalises and rotates its q heads as it builds their fragments (RoPE's
-// pairs, dims d and d + HD/2, are both the same thread's), and the block whose split holds the
+// pairs, dims d and d + HD/2, are both the same thread's), and the warp whose tiles hold the
 // token's position writes the new K/V row to the cache and keeps a copy in shared memory that its
-// own loop reads, so no block reads a row another wrote. Saves a launch and its boundary per
+// own loop reads, so no block (and no other warp) reads a row another wrote, and no barrier waits
+// for it. Saves a launch and its boundary per
 // layer, but at depth 0 the work lands on attention's few blocks: even for Qwen3-30B-A3B there,
 // +0.7% at depth 8192, +1% for gpt-oss-20b (BENCHMARKS.md). Its inputs: kernels/attention_prologue.h.
 
@@ -454,14 +455,20 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();
   const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT));
-  // The new row's raw values first (warp 0: the key, warp 1: the value), so that their L2 trip
-  // overlaps the queries' below instead of following it.
+  // The new row is the business of the one warp whose tiles hold its position (the others never
+  // read it, so no block barrier waits for it): its raw key and value first, so that their L2
+  // trip overlaps the queries' below instead of following it.
   constexpr int kPairs = HD / 64;  // rotation pairs (i, i + HD / 2) per lane
-  float nk[2 * kPairs];
-  if (writes_new && warp < 2) {
-    const float* src = (warp == 0 ? pro.k_new : pro.v_new) + t * pro.kv_stride + kv * HD;
+  const bool new_warp = writes_new && warp == int((pos_new - begin) / kDecodeTcTile % kDecodeTcWarps);
+  float nk[2 * kPairs], nv[2 * kPairs];
+  if (new_warp) {
+    const float* ksrc = pro.k_new + t * pro.kv_stride + kv * HD;
+    const float* vsrc = pro.v_new + t * pro.kv_stride + kv * HD;
 #pragma unroll
-    for (int j = 0; j < 2 * kPairs; ++j) nk[j] = src[lane + 32 * j];  // j < kPairs: i, else i + HD / 2
+    for (int j = 0; j < 2 * kPairs; ++j) {  // j < kPairs: i, else i + HD / 2
+      nk[j] = ksrc[lane + 32 * j];
+      nv[j] = vsrc[lane + 32 * j];
+    }
   }
 
   // Q fragments: row r = head g + 8·(r % 2); k-step 2c + e holds dims 32c + 8·t4 + 4e + {0, 1}
@@ -517,31 +524,28 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   }
 
   NIBBLE_TIMELINE_MARK_AT(1);  // thread 0's q fragments built
-  if (writes_new && warp < 2) {
-    // Warp 0: the new key (RMSNorm, RoPE), warp 1: the new value, to the cache and shared memory.
+  if (new_warp) {
+    // The new key (RMSNorm, RoPE) and value, to the cache and to shared memory for this warp's loop.
     const int64_t row = kv_pool_row(block_table, block_size_log2, pos_new) * row_stride + kv * HD;
-    if (warp == 0) {
-      float ss = 0.f;
+    float ss = 0.f;
 #pragma unroll
-      for (int j = 0; j < kPairs; ++j) ss += nk[j] * nk[j] + nk[kPairs + j] * nk[kPairs + j];
-      const float inv = pro.k_norm ? rsqrtf(warp_sum(ss) / float(HD) + pro.eps) : 1.f;
+    for (int j = 0; j < kPairs; ++j) ss += nk[j] * nk[j] + nk[kPairs + j] * nk[kPairs + j];
+    const float inv = pro.k_norm ? rsqrtf(warp_sum(ss) / float(HD) + pro.eps) : 1.f;
 #pragma unroll
-      for (int j = 0; j < kPairs; ++j) {
-        const int i = lane + 32 * j;
-        const float x0 = nk[j] * inv * s_kw[i], x1 = nk[kPairs + j] * inv * s_kw[i + HD / 2];
-        const float y0 = x0 * s_cos[i] - x1 * s_sin[i], y1 = x1 * s_cos[i] + x0 * s_sin[i];
-        kv_store(k_out + row + i, y0), kv_store(s_knew + i, y0);
-        kv_store(k_out + row + i + HD / 2, y1), kv_store(s_knew + i + HD / 2, y1);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 2 * kPairs; ++j) {
-        const int i = lane + 32 * j;  // lane + 32 j covers 0 .. HD - 1 as j runs over 2 kPairs
-        kv_store(v_out + row + i, nk[j]), kv_store(s_vnew + i, nk[j]);
-      }
+    for (int j = 0; j < kPairs; ++j) {
+      const int i = lane + 32 * j;
+      const float x0 = nk[j] * inv * s_kw[i], x1 = nk[kPairs + j] * inv * s_kw[i + HD / 2];
+      const float y0 = x0 * s_cos[i] - x1 * s_sin[i], y1 = x1 * s_cos[i] + x0 * s_sin[i];
+      kv_store(k_out + row + i, y0), kv_store(s_knew + i, y0);
+      kv_store(k_out + row + i + HD / 2, y1), kv_store(s_knew + i + HD / 2, y1);
     }
+#pragma unroll
+    for (int j = 0; j < 2 * kPairs; ++j) {
+      const int i = lane + 32 * j;  // lane + 32 j covers 0 .. HD - 1 as j runs over 2 kPairs
+      kv_store(v_out + row + i, nv[j]), kv_store(s_vnew + i, nv[j]);
+    }
+    __syncwarp();  // the new row in shared memory, for this warp's lanes
   }
-  if (writes_new) __syncthreads();  // the new row in shared memory
   NIBBLE_TIMELINE_MARK_AT(2);
   float o[kDimsPerGroup][4];
 #pragma unroll
@@ -557,7 +561,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     for (int j = 0; j < 2; ++j) {
       const int64_t pos = p0 + 4 * (g / 2) + 2 * j + g % 2;
       const T* src = !(pos < end && pos >= lo) ? nullptr
-                     : writes_new && pos == pos_new ? s_knew + 8 * t4
+                     : new_warp && pos == pos_new ? s_knew + 8 * t4
                                                     : kbase + row_of(pos) + 8 * t4;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) kr[j][c] = src ? kv_load8_f16(src + 32 * c) : make_uint4(0, 0, 0, 0);
@@ -566,7 +570,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     for (int i = 0; i < 4; ++i) {
       const int64_t pos = p0 + 4 * t4 + i;
       const T* src = !(pos < end && pos >= lo) ? nullptr
-                     : writes_new && pos == pos_new ? s_vnew + kDimsPerGroup * g
+                     : new_warp && pos == pos_new ? s_vnew + kDimsPerGroup * g
                                                     : vbase + row_of(pos) + kDimsPerGroup * g;
 #pragma unroll
       for (int u = 0; u < kVUnits; ++u) vr[i][u] = src ? kv_load8_f16(src + 8 * u) : make_uint4(0, 0, 0, 0);
