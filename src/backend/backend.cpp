@@ -38,15 +38,18 @@ void Backend::qk_norm_rope_attention(const float* q_in, int64_t q_stride, const 
   attention(q_scratch, kv, m, positions, max_context, n_head, n_head_kv, head_dim, scale, out, sinks, window);
 }
 
+void Backend::check_mailbox(const char* op, int slot, int64_t n) {
+  NIBBLE_CHECK(slot >= 0 && slot < kMailboxSlots && n >= 0 && n <= kMailboxInts, "{}: slot {} of {}, {} ints of at "
+               "most {}", op, slot, kMailboxSlots, n, kMailboxInts);
+}
+
 void Backend::post_ints(int slot, const int32_t* src, int64_t n) {
-  NIBBLE_CHECK(slot >= 0 && slot < kMailboxSlots && n >= 0 && n <= kMailboxInts, "post_ints: slot {} of {}, {} ints "
-               "of at most {}", slot, kMailboxSlots, n, kMailboxInts);
+  check_mailbox("post_ints", slot, n);
   copy_to_host(mailbox_[slot], src, size_t(n) * 4);
 }
 
 void Backend::take_ints(int slot, int32_t* host_dst, int64_t n) {
-  NIBBLE_CHECK(slot >= 0 && slot < kMailboxSlots && n >= 0 && n <= kMailboxInts, "take_ints: slot {} of {}, {} ints "
-               "of at most {}", slot, kMailboxSlots, n, kMailboxInts);
+  check_mailbox("take_ints", slot, n);
   std::copy(mailbox_[slot], mailbox_[slot] + n, host_dst);
 }
 

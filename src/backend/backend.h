@@ -180,6 +180,10 @@ class Backend {
   virtual void drop_graph(uint64_t key) {}
   virtual size_t graph_count() const { return 0; }
 
+ protected:
+  // Error unless slot < kMailboxSlots and n <= kMailboxInts (post_ints, take_ints).
+  static void check_mailbox(const char* op, int slot, int64_t n);
+
  private:
   int32_t mailbox_[kMailboxSlots][kMailboxInts] = {};  // the default post_ints/take_ints
 };

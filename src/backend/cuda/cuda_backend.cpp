@@ -243,16 +243,14 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaEventRecord(staging_events_[slot], cudaStreamPerThread));
   }
   void post_ints(int slot, const int32_t* src, int64_t n) override {
-    NIBBLE_CHECK(slot >= 0 && slot < kMailboxSlots && n >= 0 && n <= kMailboxInts,
-                 "post_ints: slot {} of {}, {} ints of at most {}", slot, kMailboxSlots, n, kMailboxInts);
+    check_mailbox("post_ints", slot, n);
     ensure_host_slots();
     CUDA_CHECK(cudaMemcpyAsync(host_mailbox_ + slot * kMailboxInts, src, size_t(n) * 4, cudaMemcpyDeviceToHost,
                                cudaStreamPerThread));
     CUDA_CHECK(cudaEventRecord(mailbox_events_[slot], cudaStreamPerThread));
   }
   void take_ints(int slot, int32_t* dst, int64_t n) override {
-    NIBBLE_CHECK(slot >= 0 && slot < kMailboxSlots && n >= 0 && n <= kMailboxInts,
-                 "take_ints: slot {} of {}, {} ints of at most {}", slot, kMailboxSlots, n, kMailboxInts);
+    check_mailbox("take_ints", slot, n);
     ensure_host_slots();
     CUDA_CHECK(cudaEventSynchronize(mailbox_events_[slot]));
     std::copy(host_mailbox_ + slot * kMailboxInts, host_mailbox_ + slot * kMailboxInts + n, dst);
