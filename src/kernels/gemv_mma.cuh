@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
     const Int4Weight* __restrict__ gate, const Int4Weight* __restrict__ up, int64_t n_experts,
     const int32_t* __restrict__ ids, const float* __restrict__ logits, const __half* __restrict__ xn,
     const float* __restrict__ x, __half* __restrict__ act, int64_t top_k,
-    int64_t inter, int64_t hidden, const float* __restrict__ norm, float eps) {
+    int64_t inter, int64_t hidden, const float* __restrict__ norm, float eps, int replicas, int64_t replica_stride) {
   static_assert(sizeof(Int4Weight) % 8 == 0);
   constexpr int kWords = int(sizeof(Int4Weight) / 8);
   NIBBLE_TIMELINE_BLOCK(kMoeGateUp);
@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
     XRows<1, kNorm> xr{x + (slot / top_k) * hidden, hidden, 1, norm, {}};
     mma_stage_x_normed(xr, int(hidden), eps, xs, int(mma_x_stride(hidden)));
   }
-  NIBBLE_TIMELINE_MARK();
+  NIBBLE_TIMELINE_MARK_AT(0);  // x staged (without xn), before the wait
   pdl_enter();  // the experts come from the router, the previous kernel
   NIBBLE_TIMELINE_WAITED();
   constexpr int kXnUnits = 2;  // 16-byte units a thread in the first pass
@@ -357,9 +357,16 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
     const int u = threadIdx.x + j * int(blockDim.x);
     if (xn_row && u < xn_units) xu[j] = __ldcg(xn_row + u);
   }
-  // With logits the router left the routing to this kernel: every warp picks its slot's expert
-  // itself (s + 1 arg-max rounds over the token's logits), no routing launch, no shared memory.
-  const int32_t e = logits ? route_choice(logits + (slot / top_k) * n_experts, n_experts, slot % top_k) : ids[slot];
+  // With logits the router left the routing to this kernel: warp 0 picks the slot's expert (s + 1
+  // arg-max rounds over the token's logits, copy blockIdx.x mod replicas of them), no routing
+  // launch; the other warps take it from shared memory after the barrier they pass anyway.
+  __shared__ int32_t s_expert;
+  if (logits && warp == 0) {
+    const float* l = logits + (blockIdx.x % replicas) * replica_stride + (slot / top_k) * n_experts;
+    const int32_t e = route_choice(l, n_experts, slot % top_k);
+    if (lane == 0) s_expert = e;
+  }
+  NIBBLE_TIMELINE_MARK_AT(1);  // the expert known
   if (xn_row) {
 #pragma unroll
     for (int j = 0; j < kXnUnits; ++j) {
@@ -370,11 +377,14 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
       reinterpret_cast<uint4*>(xs)[u] = __ldcg(xn_row + u);
   }
   __syncthreads();  // the tables and the staged row
+  NIBBLE_TIMELINE_MARK_AT(2);  // the row in shared memory, before the first weight load
+  const int32_t e = logits ? s_expert : ids[slot];
   const Int4Weight w = logits ? (h ? up : gate)[e] : tables[h * n_experts + e];
   MmaTile<CPG, KS> tile;
   tile.start(w, tile0, inter, hidden, kw);
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, hidden, 1), acc);
+  NIBBLE_TIMELINE_MARK_AT(3);  // warp 0's products done
   __shared__ float partial[2][KS][16];
   const float4 d = mma_chains_sum(acc);
   if (t == 0) partial[h][kw][g] = d.x, partial[h][kw][g + 8] = d.z;  // column 0: the token
@@ -400,7 +410,8 @@ template <int CPG>
 __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
     const Int4Weight* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
     const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
-    float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate) {
+    float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate, int replicas,
+    int64_t replica_stride) {
   const int s = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t tok = blockIdx.y, tile0 = int64_t(blockIdx.x) * 16;
   NIBBLE_TIMELINE_BLOCK(kMoeDown);
@@ -408,7 +419,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   // the choice's logit for the weights at the end (choice 0 holds the maximum; renormalised over
   // the top k the softmax's full sum cancels, otherwise warp 0 makes it).
   __shared__ float s_logit[kMoeDownSlots], s_sum;
-  const float* tok_logits = logits ? logits + tok * n_experts : nullptr;
+  const float* tok_logits = logits ? logits + (blockIdx.x % replicas) * replica_stride + tok * n_experts : nullptr;
   MmaTile<CPG, 1> tile;
   Int4Weight wd{};
   if (s < top_k) {

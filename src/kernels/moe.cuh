@@ -240,12 +240,15 @@ __global__ void __launch_bounds__(32 * kRouterClusterWarps) moe_router_cluster_k
 // lane's vectors are all in registers, moe_router_logits_xn): gate/up copies it after its wait
 // instead of staging it before (a block reduction and ~3 µs from its start, which kept its
 // release ~2 µs behind this kernel's end).
+// The logits are written `replicas` times, replica_stride floats apart (lanes 0..replicas - 1
+// each store one copy): hundreds of expert blocks read them at once, each from copy b mod replicas.
 constexpr int kRouterLogitsWarps = 4;
 
 template <DenseType T, bool kNorm>
 __global__ void __launch_bounds__(32 * kRouterLogitsWarps) moe_router_logits_kernel(
     const void* __restrict__ w, const float* __restrict__ x, int m, int64_t n_experts, int64_t hidden,
-    const float* __restrict__ norm, float eps, float* __restrict__ logits, __half* __restrict__ xn) {
+    const float* __restrict__ norm, float eps, float* __restrict__ logits, __half* __restrict__ xn, int replicas,
+    int64_t replica_stride) {
   constexpr int V = RouterRow<T>::V;
   const int lane = threadIdx.x % 32;
   NIBBLE_TIMELINE_BLOCK(kMoeRouter);
@@ -295,7 +298,7 @@ __global__ void __launch_bounds__(32 * kRouterLogitsWarps) moe_router_logits_ker
     }
     const float inv = kNorm ? rsqrtf(warp_sum(ss) / float(hidden) + eps) : 1.f;
     dot = warp_sum(dot) * inv;
-    if (lane == 0) logits[mi * n_experts + row] = dot;
+    if (lane < replicas) logits[lane * replica_stride + mi * n_experts + row] = dot;
     if (xn && row < kRouterVecs) {
 #pragma unroll
       for (int i = 0; i < kRouterVecs; ++i) {  // warp `row` writes vector i = row of every lane

@@ -688,7 +688,9 @@ TEST_F(OpsTest, FusedResidualOps) {
     for (int64_t m : {1, 2, 8, 12}) {
       MoeWeights host, dev;
       host.top_k = dev.top_k = top_k;
-      host.normalize = dev.normalize = m != 2;
+      // Not renormalised over the top k (the softmax's full sum, which down's warp 0 makes): m = 2,
+      // and 40 experts at m = 1.
+      host.normalize = dev.normalize = m != 2 && !(m == 1 && E == 40);
       host.router = random_weight(router_format, E, H, 128);
       dev.router = gpu_->upload(host.router);
       for (int64_t e = 0; e < E; ++e) {

@@ -832,11 +832,22 @@ class CudaBackend final : public Backend {
   static bool four_bit(const LinearWeight& w) {
     return w.format == WeightFormat::kInt4 || w.format == WeightFormat::kMxfp4;
   }
+  // Copies of the router's logits for the INT4 expert kernels: Qwen3-30B-A3B's 384 gate/up blocks
+  // and 128 down blocks read one token's 512 bytes of logits at once; block b reads copy b mod 8
+  // (+0.1-0.3% tg128 in three A/B runs, BENCHMARKS.md). NIBBLE_MOE_LOGIT_REPLICAS=n (1..32) for A/B.
+  static constexpr int kMoeLogitReplicas = 8;
   void run_moe_decode(const MoeWeights& w, const float* x, const float* norm, float eps, int64_t m, float* out,
                       bool accumulate) {
     const ExpertTables* tables = expert_tables(w);
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k, inter = w.experts[0].gate.n;
-    Buffer logits(*this, size_t(m * E) * 4), ids(*this, size_t(m * K) * 4), weights(*this, size_t(m * K) * 4);
+    // Copies of the logits, each on lines of its own (cuda::MoeRouting::logit_replicas).
+    static const int replicas = [] {
+      const char* env = std::getenv("NIBBLE_MOE_LOGIT_REPLICAS");
+      return env ? std::clamp(std::atoi(env), 1, 32) : kMoeLogitReplicas;
+    }();
+    const int64_t replica_stride = (m * E + 31) / 32 * 32;
+    Buffer logits(*this, size_t(replicas * replica_stride) * 4), ids(*this, size_t(m * K) * 4),
+        weights(*this, size_t(m * K) * 4);
     Buffer act(*this, size_t(m * K * inter) * 2);  // f16, in the decode mma order
     Buffer xn(*this, size_t(m * H) * 2);             // the normalised rows, f16, staged by the router
     // The router writes only logits and the expert kernels route for themselves (one warp's arg-max
@@ -857,9 +868,10 @@ class CudaBackend final : public Backend {
       routing.ids = ids.data<int32_t>(), routing.weights = weights.data();
     } else {
       if (cuda::moe_router_logits(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(),
-                                  xn.data()))
+                                  xn.data(), replicas, replica_stride))
         routing.xn = xn.data();
       routing.logits = logits.data(), routing.normalize = w.normalize;
+      routing.logit_replicas = replicas, routing.replica_stride = replica_stride;
     }
     CUDA_CHECK_LAUNCH("moe_router");
     cuda::moe_decode_int4(tables->gate.data<cuda::Int4Device>(), tables->up.data<cuda::Int4Device>(),

@@ -78,9 +78,13 @@ void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_
 // The router's logits [m, n_experts] only (x normalised with `norm` when non-null), m <= kGemvMaxM,
 // hidden % the weight's vector: the MoE decode kernels route from them (MoeRouting::logits).
 // Where the shapes allow it, also the normalised rows as the INT4 expert kernels stage them (f16,
-// m * hidden halves in xn; scratch of that size): returns whether it wrote them.
+// m * hidden halves in xn; scratch of that size): returns whether it wrote them. The logits are
+// written `replicas` times (<= 32), replica_stride floats apart (logits holds them all): every
+// expert block reads a token's logits, and hundreds of blocks reading the same few lines at once
+// queue at the L2 slices that hold them (MoeRouting::logit_replicas).
 bool moe_router_logits(Dense type, const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden,
-                       const float* norm, float eps, float* logits, void* xn);
+                       const float* norm, float eps, float* logits, void* xn, int replicas = 1,
+                       int64_t replica_stride = 0);
 // Where the MoE decode kernels find each token's experts: ids and weights [m, top_k] from a routing
 // launch, or, with logits ([m, n_experts] from moe_router_logits), the kernels route for
 // themselves (softmax top-k, the weights renormalised over the top k when normalize); xn: the
@@ -91,6 +95,10 @@ struct MoeRouting {
   const float* logits = nullptr;
   bool normalize = false;
   const void* xn = nullptr;
+  // With logits: copies of them, replica_stride floats apart; block b of an expert kernel reads
+  // copy b % logit_replicas, which spreads the blocks' reads of the same logits over more lines.
+  int logit_replicas = 1;
+  int64_t replica_stride = 0;
 };
 // MoE decode for m <= kGemvMaxM tokens with device-side routing: the tables hold each expert's
 // gate/up/down matrix (device arrays of Int4Device, n_experts long), all with the same

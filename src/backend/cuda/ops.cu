@@ -175,13 +175,13 @@ struct MoeRouterLogits {
   // xn is written where every lane's vectors of a row are in registers and there are warps for
   // all of them.
   static bool run(const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden, const float* norm,
-                  float eps, float* logits, void* xn) {
+                  float eps, float* logits, void* xn, int replicas, int64_t replica_stride) {
     const int64_t vecs = hidden / (32 * kernels::DenseVec<T>::kPerVec);
     if (vecs > kernels::kRouterVecs || vecs > n_experts) xn = nullptr;
     auto go = [&](auto kNorm) {
       launch_pdl(kernels::moe_router_logits_kernel<T, kNorm.value>,
                  blocks_for(n_experts, kernels::kRouterLogitsWarps), 32 * kernels::kRouterLogitsWarps, w, x, int(m),
-                 n_experts, hidden, norm, eps, logits, static_cast<__half*>(xn));
+                 n_experts, hidden, norm, eps, logits, static_cast<__half*>(xn), replicas, replica_stride);
     };
     if (norm)
       go(std::true_type{});
@@ -313,8 +313,9 @@ void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_
 }
 
 bool moe_router_logits(Dense type, const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden,
-                       const float* norm, float eps, float* logits, void* xn) {
-  return dispatch_dense<MoeRouterLogits>(type, w, x, m, n_experts, hidden, norm, eps, logits, xn);
+                       const float* norm, float eps, float* logits, void* xn, int replicas, int64_t replica_stride) {
+  return dispatch_dense<MoeRouterLogits>(type, w, x, m, n_experts, hidden, norm, eps, logits, xn, replicas,
+                                         replica_stride);
 }
 
 void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Device* down, int64_t n_experts,
@@ -333,7 +334,8 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
         const auto kernel = kernels::moe_gate_up_int4_mma_kernel<CPG.value, kNorm.value, KS.value>;
         allow_smem(kernel, smem);
         launch_pdl_smem(kernel, grid, 64 * KS.value, smem, g, u, n_experts, routing.ids, routing.logits,
-                        static_cast<const __half*>(routing.xn), x, act_h, top_k, inter, hidden, norm, eps);
+                        static_cast<const __half*>(routing.xn), x, act_h, top_k, inter, hidden, norm, eps,
+                        routing.logit_replicas, routing.replica_stride);
       };
       if (norm)
         gate_up(std::true_type{});
@@ -346,7 +348,8 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
     const auto kernel = kernels::moe_down_int4_mma_kernel<CPG.value>;
     allow_smem(kernel, smem);
     launch_pdl_smem(kernel, grid, 32 * kernels::kMoeDownSlots, smem, d, routing.ids, routing.weights, routing.logits,
-                    n_experts, routing.normalize, act_h, out, top_k, inter, hidden, accumulate);
+                    n_experts, routing.normalize, act_h, out, top_k, inter, hidden, accumulate, routing.logit_replicas,
+                    routing.replica_stride);
   });
 }
 
