@@ -834,7 +834,7 @@ class CudaBackend final : public Backend {
   }
   // Copies of the router's logits for the INT4 expert kernels: Qwen3-30B-A3B's 384 gate/up blocks
   // and 128 down blocks read one token's 512 bytes of logits at once; block b reads copy b mod 8
-  // (+0.1-0.3% tg128 in three A/B runs, BENCHMARKS.md). NIBBLE_MOE_LOGIT_REPLICAS=n (1..32) for A/B.
+  // (+0.1-0.8% tg128 in three A/B runs, BENCHMARKS.md). NIBBLE_MOE_LOGIT_REPLICAS=n (1..32) for A/B.
   static constexpr int kMoeLogitReplicas = 8;
   void run_moe_decode(const MoeWeights& w, const float* x, const float* norm, float eps, int64_t m, float* out,
                       bool accumulate) {

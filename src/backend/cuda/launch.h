@@ -79,9 +79,10 @@ void moe_router(Dense type, const void* w, const float* x, int64_t m, int64_t n_
 // hidden % the weight's vector: the MoE decode kernels route from them (MoeRouting::logits).
 // Where the shapes allow it, also the normalised rows as the INT4 expert kernels stage them (f16,
 // m * hidden halves in xn; scratch of that size): returns whether it wrote them. The logits are
-// written `replicas` times (<= 32), replica_stride floats apart (logits holds them all): every
-// expert block reads a token's logits, and hundreds of blocks reading the same few lines at once
-// queue at the L2 slices that hold them (MoeRouting::logit_replicas).
+// written `replicas` times (<= 32), replica_stride floats apart (logits holds them all), so that
+// the hundreds of expert blocks that read a token's logits at once spread over more L2 lines
+// (MoeRouting::logit_replicas; +0.1-0.8% tg128, though the routing's ~2.5 µs after the wait did
+// not shrink with it: BENCHMARKS.md).
 bool moe_router_logits(Dense type, const void* w, const float* x, int64_t m, int64_t n_experts, int64_t hidden,
                        const float* norm, float eps, float* logits, void* xn, int replicas = 1,
                        int64_t replica_stride = 0);
