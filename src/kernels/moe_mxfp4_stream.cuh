@@ -193,8 +193,16 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
 }
 
 // The routing of the block's m tokens in shared memory: read from ids and weights [m, top_k], or
-// with logits routed here, warp i taking token i (route_token). The caller synchronises (the
-// runner's first barrier) before anything reads it.
+// with logits routed here, warp i taking token i (route_token with kPerLane experts a lane). The
+// caller synchronises (the runner's first barrier) before anything reads it. kPerLane is the
+// launcher's smallest fit for the model's experts (1 for gpt-oss-20b's 32), 0 when the ids come
+// from a routing launch, so that only the kernels that route carry route_token: with it compiled
+// in (16 experts a lane, 108 registers) the down kernel took 15.6 µs a call on the H100 even where
+// the ids came from a routing launch, and 10.6 without it (96 registers); routing for itself (1 a
+// lane, 102 registers) it took 15.7, which is why the routing launch is the default for these
+// kernels (backend/cuda/cuda_backend.cpp, BENCHMARKS.md). Both fit 2 blocks an SM by registers;
+// what the routing code costs inside the kernel was not found.
+template <int kPerLane>
 struct Mxfp4StreamRouting {
   int32_t ids[kGemvMaxM * 8];
   float weights[kGemvMaxM * 8];
@@ -202,13 +210,14 @@ struct Mxfp4StreamRouting {
   __device__ __forceinline__ void load(const int32_t* __restrict__ g_ids, const float* __restrict__ g_weights,
                                        const float* __restrict__ logits, int64_t n_experts, bool normalize, int64_t m,
                                        int64_t top_k) {
-    if (logits) {
+    if constexpr (kPerLane > 0) {
       for (int64_t tok = threadIdx.x / 32; tok < m; tok += blockDim.x / 32)
-        route_token(logits + tok * n_experts, n_experts, top_k, normalize, ids + tok * top_k, weights + tok * top_k);
-      return;
+        route_token<false, kPerLane>(logits + tok * n_experts, n_experts, top_k, normalize, ids + tok * top_k,
+                                     weights + tok * top_k);
+    } else {
+      for (int64_t i = threadIdx.x; i < m * top_k; i += blockDim.x)
+        ids[i] = g_ids[i], weights[i] = g_weights ? g_weights[i] : 0.f;
     }
-    for (int64_t i = threadIdx.x; i < m * top_k; i += blockDim.x)
-      ids[i] = g_ids[i], weights[i] = g_weights ? g_weights[i] : 0.f;
   }
 };
 
@@ -217,7 +226,7 @@ struct Mxfp4StreamRouting {
 // the wait; the routing after it (the router's logits come from the previous kernel). The
 // epilogue adds the biases and writes the clamped SwiGLU of the tile's 8 (gate, up) pairs to act
 // as f16 in the down projection's staged order.
-template <int W, int kMinBlocks = 1>
+template <int W, int kMinBlocks = 1, int kRoutePerLane = 0>
 __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_stream_kernel(
     const Mxfp4Device* __restrict__ gate_up, const int32_t* __restrict__ g_ids, const float* __restrict__ logits,
     int64_t n_experts, const float* __restrict__ x, __half* __restrict__ act, int64_t slots, int64_t top_k,
@@ -227,7 +236,7 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
   __half* xs = reinterpret_cast<__half*>(dynamic_smem() + mxfp4_stream_extra_offset(hidden, stages, W));
   mxfp4_stage_x(XRows<kGemvMaxM, false>{x, hidden, int(slots / top_k), nullptr, {}}, hidden, xs);
   NIBBLE_TIMELINE_MARK();
-  __shared__ Mxfp4StreamRouting routing;
+  __shared__ Mxfp4StreamRouting<kRoutePerLane> routing;
   pdl_wait();
   routing.load(g_ids, nullptr, logits, n_experts, false, slots / top_k, top_k);
   const int32_t* ids = routing.ids;
@@ -259,15 +268,16 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
 // routing (or the router's logits, routed here) was written two launches back, so the first
 // stages load before the wait.
 // out = (accumulate ? out : 0) + Σ_slot weight · (down rows · act + bias).
-template <int W, int kMinBlocks = 1>
+template <int W, int kMinBlocks = 1, int kRoutePerLane = 0>
 __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_down_stream_kernel(
     const Mxfp4Device* __restrict__ down, const int32_t* __restrict__ g_ids, const float* __restrict__ g_weights,
     const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
     float* __restrict__ out, int64_t m, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate, int stages) {
   NIBBLE_TIMELINE_BLOCK(kMoeDown);
   const int64_t tiles = hidden / 16;
-  __shared__ Mxfp4StreamRouting routing;
+  __shared__ Mxfp4StreamRouting<kRoutePerLane> routing;
   routing.load(g_ids, g_weights, logits, n_experts, normalize, m, top_k);
+  NIBBLE_TIMELINE_MARK_AT(0);
   const int32_t* ids = routing.ids;
   const float* weights = routing.weights;
   mxfp4_stream<W, true, true>(

@@ -854,6 +854,10 @@ class CudaBackend final : public Backend {
     // rounds each, instead of a cross-block meeting on the critical path). NIBBLE_MOE_ROUTER_ROUTES=1:
     // the router routes (a thread-block cluster), as before, for A/B runs.
     static const bool router_routes = std::getenv("NIBBLE_MOE_ROUTER_ROUTES") != nullptr;
+    // NIBBLE_MOE_ROUTE_LAUNCH=1: the logits-only router, then a routing launch whose ids and
+    // weights the expert kernels read, as the MXFP4 path does; measured 4% slower at depth 0 and
+    // 7% at 8192 (its one-block routing kernel on the critical path), kept for A/B runs.
+    static const bool route_launch = std::getenv("NIBBLE_MOE_ROUTE_LAUNCH") != nullptr;
     cuda::MoeRouting routing;
     if (four_bit(w.router)) {
       // A 4-bit router: the decode GEMV normalises x, writes the logits (its activations in f16,
@@ -865,6 +869,12 @@ class CudaBackend final : public Backend {
     } else if (router_routes) {
       cuda::moe_router(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(), K,
                        w.normalize, ids.data<int32_t>(), weights.data(), route_counter_.data<unsigned>());
+      routing.ids = ids.data<int32_t>(), routing.weights = weights.data();
+    } else if (route_launch) {
+      if (cuda::moe_router_logits(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(),
+                                  xn.data(), 1, replica_stride))
+        routing.xn = xn.data();
+      moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
       routing.ids = ids.data<int32_t>(), routing.weights = weights.data();
     } else {
       if (cuda::moe_router_logits(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(),
@@ -994,11 +1004,14 @@ class CudaBackend final : public Backend {
       gemv(w.router, raw, m, logits.data(), *router_io);
     else
       linear(w.router, x, m, logits.data(), true);
-    // The streamed expert kernels route for themselves from the logits (no routing launch);
-    // NIBBLE_MOE_ROUTER_ROUTES=1 keeps the routing launch, for A/B runs.
-    static const bool route_launch = std::getenv("NIBBLE_MOE_ROUTER_ROUTES") != nullptr;
+    // A routing launch writes ids and weights, which the down kernel reads before its wait (two
+    // launches back) to start its first expert tiles. The streamed kernels can also route for
+    // themselves from the logits (NIBBLE_MXFP4_KERNELS_ROUTE=1, for A/B runs): one launch less,
+    // but the down kernel then took 15.7 µs a call instead of 10.6 and gpt-oss decoded 4-7%
+    // slower (H100, BENCHMARKS.md). Qwen3's INT4 kernels are the other way round (run_moe_decode).
+    static const bool kernels_route = std::getenv("NIBBLE_MXFP4_KERNELS_ROUTE") != nullptr;
     cuda::MoeRouting routing;
-    if (!route_launch && cuda::moe_mxfp4_streamed(tables.aligned, m, tables.inter, H)) {
+    if (kernels_route && cuda::moe_mxfp4_streamed(tables.aligned, m, tables.inter, H)) {
       routing.logits = logits.data(), routing.normalize = w.normalize;
     } else {
       moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());

@@ -557,32 +557,48 @@ bool moe_mxfp4_streamed(bool aligned, int64_t m, int64_t inter, int64_t hidden) 
          mxfp4_stream_stages(hidden, kernels::mxfp4_x_bytes(m, hidden)) >= 2 && mxfp4_stream_stages(inter, 0) >= 2;
 }
 
+// The streamed kernels' routing code at the size the model needs (Mxfp4StreamRouting): 0 when the
+// ids come from a routing launch, else the experts a lane of route_token.
+template <typename Fn>
+static void dispatch_route_per_lane(const MoeRouting& routing, int64_t n_experts, Fn&& fn) {
+  if (!routing.logits)
+    fn(std::integral_constant<int, 0>{});
+  else if (n_experts <= 32)
+    fn(std::integral_constant<int, 1>{});
+  else if (n_experts <= 128)
+    fn(std::integral_constant<int, 4>{});
+  else
+    fn(std::integral_constant<int, kernels::kMoeMaxExpertsPerLane>{});
+}
+
 static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kernels::Mxfp4Device* dn,
                                       int64_t n_experts, const MoeRouting& routing, const float* x, __half* act,
                                       float* out, bool accumulate, int64_t m, int64_t top_k, int64_t inter,
                                       int64_t hidden, float alpha, float limit) {
   constexpr int W = kMxfp4StreamWarps, threads = 32 * (W + 1);
   const int64_t sms = int64_t(sm_count());
-  {
-    const int64_t extra = kernels::mxfp4_x_bytes(m, hidden);
-    const int stages = mxfp4_stream_stages(hidden, extra);
-    const size_t smem = size_t(kernels::mxfp4_stream_smem(hidden, stages, W, extra));
-    const auto kernel = kernels::moe_mxfp4_gate_up_stream_kernel<W, kMxfp4StreamGateUpBlocks>;
-    allow_smem(kernel, smem);
-    const int64_t items = m * top_k * (2 * inter / 16), resident = resident_blocks(kernel, threads, smem) * sms;
-    launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, gu, routing.ids, routing.logits,
-                    n_experts, x, act, m * top_k, top_k, inter, hidden, alpha, limit, stages);
-  }
-  {
-    const int stages = mxfp4_stream_stages(inter, 0);
-    const size_t smem = size_t(kernels::mxfp4_stream_smem(inter, stages, W, 0));
-    const auto kernel = kernels::moe_mxfp4_down_stream_kernel<W>;
-    allow_smem(kernel, smem);
-    const int64_t items = m * (hidden / 16), resident = resident_blocks(kernel, threads, smem) * sms;
-    launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, dn, routing.ids, routing.weights,
-                    routing.logits, n_experts, routing.normalize, static_cast<const __half*>(act), out, m, top_k,
-                    inter, hidden, accumulate, stages);
-  }
+  dispatch_route_per_lane(routing, n_experts, [&](auto kPerLane) {
+    {
+      const int64_t extra = kernels::mxfp4_x_bytes(m, hidden);
+      const int stages = mxfp4_stream_stages(hidden, extra);
+      const size_t smem = size_t(kernels::mxfp4_stream_smem(hidden, stages, W, extra));
+      const auto kernel = kernels::moe_mxfp4_gate_up_stream_kernel<W, kMxfp4StreamGateUpBlocks, kPerLane.value>;
+      allow_smem(kernel, smem);
+      const int64_t items = m * top_k * (2 * inter / 16), resident = resident_blocks(kernel, threads, smem) * sms;
+      launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, gu, routing.ids, routing.logits,
+                      n_experts, x, act, m * top_k, top_k, inter, hidden, alpha, limit, stages);
+    }
+    {
+      const int stages = mxfp4_stream_stages(inter, 0);
+      const size_t smem = size_t(kernels::mxfp4_stream_smem(inter, stages, W, 0));
+      const auto kernel = kernels::moe_mxfp4_down_stream_kernel<W, 1, kPerLane.value>;
+      allow_smem(kernel, smem);
+      const int64_t items = m * (hidden / 16), resident = resident_blocks(kernel, threads, smem) * sms;
+      launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, dn, routing.ids, routing.weights,
+                      routing.logits, n_experts, routing.normalize, static_cast<const __half*>(act), out, m, top_k,
+                      inter, hidden, accumulate, stages);
+    }
+  });
 }
 
 // The MoE kernels load 2 groups of 128 k a batch and issue the next batch's loads before the
