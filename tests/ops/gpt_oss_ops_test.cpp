@@ -75,8 +75,9 @@ TEST_F(GptOssOpsTest, Mxfp4FusedFormsConcatAndPrepare) {
   const float eps = 1e-5f;
   WeightVector norm_host = host_vector(random(k, 1.f));
   WeightVector norm_dev = gpu_->upload(norm_host);
-  // 32776 rows: an lm_head's 2049 tiles, which the blocks stride over (double-buffered).
-  for (auto [n, m] : {std::pair<int64_t, int64_t>{200, 1}, {200, 4}, {32776, 1}, {32776, 3}}) {
+  // 5120 rows: gpt-oss's q/k/v (128-thread blocks, the one-pass norm at its widest: 6 units a
+  // thread); 32776 rows: an lm_head's 2049 tiles, which the blocks stride over (double-buffered).
+  for (auto [n, m] : {std::pair<int64_t, int64_t>{200, 1}, {200, 4}, {5120, 1}, {32776, 1}, {32776, 3}}) {
     LinearWeight host = random_mxfp4(n, k, true), dev = gpu_->upload(host);
     auto x = random(m * k, 3.f);
     std::vector<float> want(size_t(m * n));
