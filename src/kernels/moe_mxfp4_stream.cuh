@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_down_strea
   const int64_t tiles = hidden / 16;
   __shared__ Mxfp4StreamRouting<kRoutePerLane> routing;
   routing.load(g_ids, g_weights, logits, n_experts, normalize, m, top_k);
-  NIBBLE_TIMELINE_MARK_AT(0);
+  NIBBLE_TIMELINE_MARK_AT(0);  // the routing in shared memory (this warp's part), before the first copies
   const int32_t* ids = routing.ids;
   const float* weights = routing.weights;
   mxfp4_stream<W, true, true>(

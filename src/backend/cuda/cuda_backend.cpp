@@ -870,18 +870,18 @@ class CudaBackend final : public Backend {
       cuda::moe_router(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(), K,
                        w.normalize, ids.data<int32_t>(), weights.data(), route_counter_.data<unsigned>());
       routing.ids = ids.data<int32_t>(), routing.weights = weights.data();
-    } else if (route_launch) {
-      if (cuda::moe_router_logits(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(),
-                                  xn.data(), 1, replica_stride))
-        routing.xn = xn.data();
-      moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
-      routing.ids = ids.data<int32_t>(), routing.weights = weights.data();
     } else {
+      const int copies = route_launch ? 1 : replicas;
       if (cuda::moe_router_logits(dense_type(w.router.format), w.router.dense, x, m, E, H, norm, eps, logits.data(),
-                                  xn.data(), replicas, replica_stride))
+                                  xn.data(), copies, replica_stride))
         routing.xn = xn.data();
-      routing.logits = logits.data(), routing.normalize = w.normalize;
-      routing.logit_replicas = replicas, routing.replica_stride = replica_stride;
+      if (route_launch) {
+        moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
+        routing.ids = ids.data<int32_t>(), routing.weights = weights.data();
+      } else {
+        routing.logits = logits.data(), routing.normalize = w.normalize;
+        routing.logit_replicas = copies, routing.replica_stride = replica_stride;
+      }
     }
     CUDA_CHECK_LAUNCH("moe_router");
     cuda::moe_decode_int4(tables->gate.data<cuda::Int4Device>(), tables->up.data<cuda::Int4Device>(),
