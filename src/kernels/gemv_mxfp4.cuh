@@ -187,7 +187,9 @@ __device__ __forceinline__ const uint4* mxfp4_x_units(const __half* xs, int64_t 
 // along K; warp (nt, kw) takes groups kw, kw + KS, ... of tile nt. Blocks stride over the tiles when
 // the grid is smaller than n / (16 · NTB) (an lm_head: x is staged once a block, not once for every
 // 16 · NTB rows), the next tile's first batch loaded before the block sums the current one.
-template <bool kNorm, int KS, int NTB, bool kDouble>
+// kBatch: groups a warp loads at once; when it covers all of a warp's groups (q/k/v's 23 over 4
+// warps: 6), every weight load is issued before the PDL wait and none waits on DRAM after it.
+template <bool kNorm, int KS, int NTB, bool kDouble, int kBatch = kDouble ? 2 : kMxfp4Batch>
 __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weight w, const float* __restrict__ bias,
                                                                        const float* __restrict__ x,
                                                                        float* __restrict__ y, int m, int64_t n,
@@ -196,7 +198,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
   const int nt = warp / KS, kw = warp % KS;
   const int64_t tiles = (n + 15) / 16, stride = int64_t(gridDim.x) * NTB;
   NIBBLE_TIMELINE_BLOCK(kGemvInt4);
-  Mxfp4Tile<kDouble, kDouble ? 2 : kMxfp4Batch> tile;
+  Mxfp4Tile<kDouble, kBatch> tile;
   int64_t base = int64_t(blockIdx.x) * NTB;
   if (base + nt < tiles) tile.start(w, (base + nt) * 16, n, k, kw, KS);  // weights need no predecessor
   pdl_enter();

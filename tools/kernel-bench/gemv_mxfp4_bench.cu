@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
     run(gemv_mxfp4_mma_kernel<N, 2, 4, false>, 2, 4, "KS2 NTB4");
     run(gemv_mxfp4_mma_kernel<N, 1, 8, false>, 1, 8, "KS1 NTB8");
     run(gemv_mxfp4_mma_kernel<N, 4, 1, false>, 4, 1, "KS4 NTB1");
+    run(gemv_mxfp4_mma_kernel<N, 4, 1, false, 6>, 4, 1, "KS4 NTB1 B6");
     run(gemv_mxfp4_mma_kernel<N, 2, 2, false>, 2, 2, "KS2 NTB2");
     run(gemv_mxfp4_mma_kernel<N, 2, 1, false>, 2, 1, "KS2 NTB1");
     run(gemv_mxfp4_mma_kernel<N, 8, 1, true>, 8, 1, "KS8 NTB1 double B2");

@@ -254,28 +254,38 @@ void dispatch_mma_split(int64_t k, Fn&& fn, int64_t m = 1) {
 // MXFP4 decode GEMVs with at least this many 16-row tiles (an lm_head) stride over them.
 constexpr int64_t kMxfp4StrideTiles = 2048;
 
-// Warps along K per 16-row tile (KS) and tiles per block (NTB) of the MXFP4 decode GEMV: a warp
-// keeps kMxfp4Batch groups of 128 k in flight. Chosen alone on gpt-oss's shapes (H100,
-// tools/kernel-bench/gemv_mxfp4_bench.cu): q/k/v (320 tiles, 6 batches) 4 warps along K (12.2 µs
-// against 14.8 with 8), o (180 tiles, 8 batches) 8 (8.4 µs against 10.7 with 4); an lm_head's
-// thousands of tiles 4 a block of 2 warps each, the blocks striding over them.
+// Warps along K per 16-row tile (KS), tiles per block (NTB) and groups of 128 k a warp loads at once
+// (B) of the MXFP4 decode GEMV. Chosen alone on gpt-oss's shapes (H100,
+// tools/kernel-bench/gemv_mxfp4_bench.cu): q/k/v (320 tiles, 23 groups) 4 warps along K (12.2 µs
+// against 14.8 with 8), o (180 tiles, 32 groups) 8 (8.4 µs against 10.7 with 4); an lm_head's
+// thousands of tiles 4 a block of 2 warps each, the blocks striding over them. B covers all of a
+// warp's groups where that is at most 6 (q/k/v: 6 of 23, o: 4 of 32), so in the decode pipeline
+// every weight load goes out before the PDL wait; alone that measures the same, in the pipeline
+// it takes q/k/v's second DRAM round trip after the wait away (BENCHMARKS.md).
+// NIBBLE_MXFP4_GEMV_BATCH4=1: 4 groups a batch everywhere (two batches for q/k/v), for A/B runs.
 template <typename Fn>
 void dispatch_mxfp4_split(int64_t k, int64_t n, Fn&& fn) {
   using std::integral_constant;
-  const int64_t batches = (kernels::mxfp4_groups(k) + kernels::kMxfp4Batch - 1) / kernels::kMxfp4Batch;
+  static const bool batch4 = std::getenv("NIBBLE_MXFP4_GEMV_BATCH4") != nullptr;
+  const int64_t groups = kernels::mxfp4_groups(k);
+  const int64_t batches = (groups + kernels::kMxfp4Batch - 1) / kernels::kMxfp4Batch;
   const int64_t tiles = (n + 15) / 16, sms = int64_t(sm_count());
+  constexpr integral_constant<int, kernels::kMxfp4Batch> b4{};
   if (tiles >= kMxfp4StrideTiles)
-    fn(integral_constant<int, 2>{}, integral_constant<int, 4>{});
-  else if (batches > 2 && tiles >= 2 * sms)
-    fn(integral_constant<int, 4>{}, integral_constant<int, 1>{});
-  else if (batches > 4)
-    fn(integral_constant<int, 8>{}, integral_constant<int, 1>{});
+    fn(integral_constant<int, 2>{}, integral_constant<int, 4>{}, b4);
+  else if (batches > 2 && tiles >= 2 * sms) {
+    if (!batch4 && (groups + 3) / 4 > 4 && (groups + 3) / 4 <= 6)
+      fn(integral_constant<int, 4>{}, integral_constant<int, 1>{}, integral_constant<int, 6>{});
+    else
+      fn(integral_constant<int, 4>{}, integral_constant<int, 1>{}, b4);
+  } else if (batches > 4)
+    fn(integral_constant<int, 8>{}, integral_constant<int, 1>{}, b4);
   else if (batches > 2)
-    fn(integral_constant<int, 4>{}, integral_constant<int, 2>{});
+    fn(integral_constant<int, 4>{}, integral_constant<int, 2>{}, b4);
   else if (batches == 2)
-    fn(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+    fn(integral_constant<int, 2>{}, integral_constant<int, 4>{}, b4);
   else
-    fn(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+    fn(integral_constant<int, 1>{}, integral_constant<int, 8>{}, b4);
 }
 
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
@@ -662,9 +672,11 @@ void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, 
   const kernels::Mxfp4Weight w{codes, scales};
   const size_t smem = size_t(kernels::mxfp4_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
-    dispatch_mxfp4_split(k, n, [&](auto KS, auto NTB) {
+    dispatch_mxfp4_split(k, n, [&](auto KS, auto NTB, auto B) {
       dispatch_mxfp4_double((n + 15) / 16 >= kMxfp4StrideTiles, [&](auto kDouble) {
-        const auto kernel = kernels::gemv_mxfp4_mma_kernel<kNorm.value, KS.value, NTB.value, kDouble.value>;
+        // The double-buffered form (lm_heads) keeps its 2-group batches.
+        constexpr int kBatch = kDouble.value ? 2 : B.value;
+        const auto kernel = kernels::gemv_mxfp4_mma_kernel<kNorm.value, KS.value, NTB.value, kDouble.value, kBatch>;
         const int threads = 32 * KS.value * NTB.value;
         allow_smem(kernel, smem);
         // At most one wave: the blocks stride over the rest of the tiles (an lm_head).
