@@ -264,7 +264,102 @@ __global__ void gemv_dense_kernel(const void* __restrict__ w, const float* __res
 // row's bytes are in flight on KS warps at once instead of on one (Nsight Compute: gpt-oss-20b's
 // 32 x 2880 BF16 router took 10 µs as 8 blocks of the kernel above, at 0.6% of DRAM bandwidth).
 // The warps' partial sums are added in warp order: deterministic.
-template <DenseType T, int M, int KS, bool kNorm>
+// A single row (batch-1 decode) whose row fits kSplitKVecs 16-byte vectors a thread takes
+// SplitKRowOnePass instead: the weights in registers before the PDL wait, x read once.
+constexpr int kSplitKVecs = 4;
+
+// One block's row of the split-K GEMV at m = 1, where it fits kSplitKVecs vectors a thread. Before
+// the PDL wait (load) each thread loads its vectors of the row (and of the norm's weights) into
+// registers; after it (finish), x once, with the dot product and (kNorm) the sum of squares taken
+// together and reduced in one block meeting: y = (w · (γ ⊙ x)) · rsqrt(mean(x²) + eps) + b. The
+// two-pass form (block_inv_rms, then the dot product reading x again) took gpt-oss's router 3.6 µs
+// from its wait to its end (in-kernel timeline, H100): two L2 round trips and two block meetings
+// for 32 outputs.
+template <DenseType T, int KS, bool kNorm>
+struct SplitKRowOnePass {
+  static constexpr int V = DenseVec<T>::kPerVec;  // a 16-byte vector of the row
+  uint4 wv[kSplitKVecs];
+  float4 g[kSplitKVecs][V / 4];
+  float b;
+
+  static __device__ __forceinline__ bool fits(int64_t k) {
+    return k % V == 0 && k / V <= int64_t(kSplitKVecs) * 32 * KS;
+  }
+  __device__ __forceinline__ void load(const char* w_row, const float* __restrict__ bias, int64_t k, const GemvIo& io) {
+#pragma unroll
+    for (int i = 0; i < kSplitKVecs; ++i) {
+      const int64_t v = threadIdx.x + int64_t(i) * 32 * KS;
+      if (v >= k / V) break;
+      wv[i] = __ldg(reinterpret_cast<const uint4*>(w_row) + v);
+      if constexpr (kNorm)
+#pragma unroll
+        for (int j = 0; j < V / 4; ++j) g[i][j] = __ldg(reinterpret_cast<const float4*>(io.norm + v * V) + j);
+    }
+    b = bias && threadIdx.x == 0 ? __ldg(bias + blockIdx.x) : 0.f;
+  }
+  __device__ __forceinline__ void finish(const float* __restrict__ x, float* __restrict__ y, int64_t k,
+                                         const GemvIo& io) const {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float4 xv[kSplitKVecs][V / 4];
+    float dot = 0.f, ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < kSplitKVecs; ++i) {
+      const int64_t v = threadIdx.x + int64_t(i) * 32 * KS;
+      if (v >= k / V) break;
+      float wf[V];
+      DenseVec<T>::load(&wv[i], wf);
+#pragma unroll
+      for (int j = 0; j < V / 4; ++j) {
+        const float4 u = xv[i][j] = *reinterpret_cast<const float4*>(x + v * V + 4 * j);
+        if constexpr (kNorm) {
+          ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
+          const float4 gg = g[i][j];
+          dot = fmaf(wf[4 * j], gg.x * u.x, dot), dot = fmaf(wf[4 * j + 1], gg.y * u.y, dot);
+          dot = fmaf(wf[4 * j + 2], gg.z * u.z, dot), dot = fmaf(wf[4 * j + 3], gg.w * u.w, dot);
+        } else {
+          dot = fmaf(wf[4 * j], u.x, dot), dot = fmaf(wf[4 * j + 1], u.y, dot);
+          dot = fmaf(wf[4 * j + 2], u.z, dot), dot = fmaf(wf[4 * j + 3], u.w, dot);
+        }
+      }
+    }
+    __shared__ float partial[KS][2];
+    dot = warp_sum(dot);
+    if constexpr (kNorm) ss = warp_sum(ss);
+    if (lane == 0) partial[warp][0] = dot, partial[warp][1] = ss;
+    __syncthreads();
+    float inv = 1.f;
+    if constexpr (kNorm) {
+      float total = 0.f;
+#pragma unroll
+      for (int i = 0; i < KS; ++i) total += partial[i][1];
+      inv = rsqrtf(total / float(k) + io.eps);
+    }
+    if (threadIdx.x == 0) {
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < KS; ++i) sum += partial[i][0];
+      float* out = y + blockIdx.x;
+      *out = (io.accumulate ? *out : 0.f) + sum * inv + b;
+    }
+    if constexpr (kNorm) {
+      // gpt-oss's router: the MoE kernels two launches on read the normalised row (pdl.cuh).
+      if (io.normed_out && blockIdx.x == 0)
+#pragma unroll
+        for (int i = 0; i < kSplitKVecs; ++i) {
+          const int64_t v = threadIdx.x + int64_t(i) * 32 * KS;
+          if (v >= k / V) break;
+#pragma unroll
+          for (int j = 0; j < V / 4; ++j) {
+            const float4 u = xv[i][j], gg = g[i][j];
+            reinterpret_cast<float4*>(io.normed_out + v * V)[j] =
+                make_float4(u.x * inv * gg.x, u.y * inv * gg.y, u.z * inv * gg.z, u.w * inv * gg.w);
+          }
+        }
+    }
+  }
+};
+
+template <DenseType T, int M, int KS, bool kNorm, bool kOnePass = true>
 __global__ void __launch_bounds__(32 * KS) gemv_dense_split_k_kernel(const void* __restrict__ w,
                                                                      const float* __restrict__ bias,
                                                                      const float* __restrict__ x,
@@ -276,6 +371,16 @@ __global__ void __launch_bounds__(32 * KS) gemv_dense_split_k_kernel(const void*
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const char* w_row = static_cast<const char*>(w) + row * k * elem;
   NIBBLE_TIMELINE_BLOCK(kGemvDense);
+  if constexpr (M == 1) {
+    if (kOnePass && SplitKRowOnePass<T, KS, kNorm>::fits(k)) {
+      SplitKRowOnePass<T, KS, kNorm> one;
+      one.load(w_row, bias, k, io);
+      pdl_enter();
+      NIBBLE_TIMELINE_WAITED();
+      one.finish(x, y, k, io);
+      return;
+    }
+  }
   for (int64_t k0 = V * (lane + 32 * warp); k0 < k; k0 += 32 * KS * V) prefetch_l2(w_row + k0 * elem);
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();

@@ -645,7 +645,9 @@ TEST_F(OpsTest, MoeBlock) {
 TEST_F(OpsTest, FusedResidualOps) {
   for (auto [format, group] : {std::pair<WeightFormat, int64_t>{WeightFormat::kInt4, 128}, {WeightFormat::kInt4, 32},
                                {WeightFormat::kBF16, 0}, {WeightFormat::kF32, 0}})
-    for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 1024}, {2048, 768}, {520, 2048}})
+    // 32 x 3072: a router's few rows (the split-K dense GEMV; at m = 1 its one-pass form, 1 or 2
+    // BF16 vectors a thread, 3 F32).
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 1024}, {2048, 768}, {520, 2048}, {32, 3072}})
       for (int64_t m : {1, 3, 8, 12}) {
         LinearWeight host = random_weight(format, n, k, group, m == 3);
         LinearWeight dev = gpu_->upload(host);

@@ -110,7 +110,13 @@ struct GemvDense {
           launch_pdl(kernels::gemv_dense_split_k_kernel<T, M.value, kDenseSplitKWarps, kNorm.value>, unsigned(n),
                      32 * kDenseSplitKWarps, w, bias, x, y, int(m), n, k, to_kernel(io));
         };
-        if (m == 1)
+        // One row: the row's weights in registers before the wait, x read once (SplitKRowOnePass).
+        // NIBBLE_NO_ROUTER_ONE_PASS=1: the two passes, for A/B runs.
+        static const bool two_pass = std::getenv("NIBBLE_NO_ROUTER_ONE_PASS") != nullptr;
+        if (m == 1 && two_pass)
+          launch_pdl(kernels::gemv_dense_split_k_kernel<T, 1, kDenseSplitKWarps, kNorm.value, false>, unsigned(n),
+                     32 * kDenseSplitKWarps, w, bias, x, y, int(m), n, k, to_kernel(io));
+        else if (m == 1)
           go(std::integral_constant<int, 1>{});
         else if (m == 2)
           go(std::integral_constant<int, 2>{});
