@@ -63,15 +63,15 @@ __device__ __forceinline__ void mxfp4_group_load(const Mxfp4Weight& w, const int
   }
 }
 
-// acc += the group's products. xb: this thread's 16-byte units of its column's staged row (+ t),
-// null when the column is past m.
-__device__ __forceinline__ void mxfp4_group_dot(const Mxfp4Group& gr, int64_t q, int blocks, const uint4* xb,
+// acc += the group's products. xb: this thread's 16-byte units of its column's staged row (+ t).
+// kWhole: a whole group (4 blocks), no per-block bounds; otherwise `blocks` of them.
+template <bool kWhole = false>
+__device__ __forceinline__ void mxfp4_group_dot(const Mxfp4Group& gr, int q, int blocks, const uint4* xb,
                                                 float (&acc)[4]) {
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
-    if (b >= blocks) break;
-    uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-    if (xb) xv = xb[4 * (4 * q + b)];  // a block is 32 halves: 4 units
+    if (!kWhole && b >= blocks) break;
+    const uint4 xv = xb[4 * (4 * q + b)];  // a block is 32 halves: 4 units
     uint32_t a[2][4];                  // [step]: a0, a1 row g / g + 8 of the low pair, a2, a3 of the high
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -123,6 +123,7 @@ struct Mxfp4Tile {
 
   __device__ __forceinline__ void finish(const Mxfp4Weight& w, const uint4* xb, float (&acc)[4]) {
     const int64_t step = int64_t(ks) * B;
+    const int whole = int(k / 128);  // groups of 4 blocks; a last one may hold 1..3
     for (int64_t q0 = kw; q0 < groups; q0 += step) {
       Mxfp4Group next[B];
       if constexpr (kDouble) {
@@ -132,8 +133,11 @@ struct Mxfp4Tile {
       }
 #pragma unroll
       for (int i = 0; i < B; ++i) {
-        const int64_t q = q0 + int64_t(i) * ks;
-        if (q < groups) mxfp4_group_dot(gr[i], q, mxfp4_group_blocks(k, q), xb, acc);
+        const int q = int(q0) + i * ks;
+        if (q < whole)
+          mxfp4_group_dot<true>(gr[i], q, 4, xb, acc);
+        else if (q < groups)
+          mxfp4_group_dot(gr[i], q, mxfp4_group_blocks(k, q), xb, acc);
       }
       if constexpr (kDouble) {
         if (q0 + step < groups)
@@ -177,10 +181,12 @@ __device__ __forceinline__ void mxfp4_stage_x_normed(XRows<M, kNorm>& xr, int64_
   mxfp4_stage_x(xr, k, xs);
 }
 
-// This thread's B units: column g (= lane / 4) of the staged rows, null past m.
+// This thread's B units: column g (= lane / 4) of the staged rows. Columns past m read row m - 1
+// (their sums are never stored; each output column of an mma depends on its B column only), so the
+// inner loop has no predicated loads.
 __device__ __forceinline__ const uint4* mxfp4_x_units(const __half* xs, int64_t k, int m) {
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  return g < m ? reinterpret_cast<const uint4*>(xs + g * mxfp4_x_stride(k)) + t : nullptr;
+  return reinterpret_cast<const uint4*>(xs + (g < m ? g : m - 1) * mxfp4_x_stride(k)) + t;
 }
 
 // y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b), m <= kGemvMaxM. A block has NTB 16-row tiles × KS warps
