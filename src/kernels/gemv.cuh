@@ -274,7 +274,7 @@ constexpr int kSplitKVecs = 4;
 // together and reduced in one block meeting: y = (w · (γ ⊙ x)) · rsqrt(mean(x²) + eps) + b. The
 // two-pass form (block_inv_rms, then the dot product reading x again) took gpt-oss's router 3.6 µs
 // from its wait to its end (in-kernel timeline, H100): two L2 round trips and two block meetings
-// for 32 outputs.
+// for 32 outputs; this one 1.0 µs (gpt-oss-20b tg128 +3.9%, BENCHMARKS.md).
 template <DenseType T, int KS, bool kNorm>
 struct SplitKRowOnePass {
   static constexpr int V = DenseVec<T>::kPerVec;  // a 16-byte vector of the row

@@ -266,8 +266,9 @@ constexpr int64_t kMxfp4StrideTiles = 2048;
 // against 14.8 with 8), o (180 tiles, 32 groups) 8 (8.4 µs against 10.7 with 4); an lm_head's
 // thousands of tiles 4 a block of 2 warps each, the blocks striding over them. B covers all of a
 // warp's groups where that is at most 6 (q/k/v: 6 of 23, o: 4 of 32), so in the decode pipeline
-// every weight load goes out before the PDL wait; alone that measures the same, in the pipeline
-// it takes q/k/v's second DRAM round trip after the wait away (BENCHMARKS.md).
+// every weight load goes out before the PDL wait: alone that is only 2-6% faster (q/k/v 9.8-10.1
+// µs against 10.2-10.5), in the pipeline it takes q/k/v's second DRAM round trip after the wait
+// away (A/B: gpt-oss-20b all-MXFP4 tg128 +3.1%, BENCHMARKS.md).
 // NIBBLE_MXFP4_GEMV_BATCH4=1: 4 groups a batch everywhere (two batches for q/k/v), for A/B runs.
 template <typename Fn>
 void dispatch_mxfp4_split(int64_t k, int64_t n, Fn&& fn) {
