@@ -46,20 +46,25 @@ struct Mxfp4Group {
   uint32_t s[2];     // the group's 4 scales of each row
 };
 
-__device__ __forceinline__ void mxfp4_group_load(const Mxfp4Weight& w, const int64_t (&rows)[2], int64_t k, int64_t q,
+// Group q of rows g and g + 8 of a tile: codes + row · k/2 and the row's scale words (row_codes,
+// row_scales, computed once a tile). A whole group (q < k / 128) is one 16-byte load a row; the
+// last group of a k that is not a multiple of 128 holds r < 4 blocks, word w of block b at 4 (r·w + b).
+__device__ __forceinline__ void mxfp4_group_load(const uint8_t* const (&row_codes)[2],
+                                                 const uint32_t* const (&row_scales)[2], int64_t k, int q, bool whole,
                                                  Mxfp4Group& gr) {
-  const int t = threadIdx.x % 4, r = mxfp4_group_blocks(k, q);
+  const int t = threadIdx.x % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const uint8_t* base = w.codes + rows[h] * (k / 2) + 64 * q;
-    if (r == 4) {
+    const uint8_t* base = row_codes[h] + 64 * q;
+    if (whole) {
       const uint4 v = __ldg(reinterpret_cast<const uint4*>(base) + t);
       gr.w[h][0] = v.x, gr.w[h][1] = v.y, gr.w[h][2] = v.z, gr.w[h][3] = v.w;
     } else {
+      const int r = mxfp4_group_blocks(k, q);
 #pragma unroll
       for (int b = 0; b < 4; ++b) gr.w[h][b] = b < r ? __ldg(reinterpret_cast<const uint32_t*>(base) + r * t + b) : 0u;
     }
-    gr.s[h] = __ldg(reinterpret_cast<const uint32_t*>(w.scales + rows[h] * mxfp4_scale_stride(k)) + q);
+    gr.s[h] = __ldg(row_scales[h] + q);
   }
 }
 
@@ -102,28 +107,34 @@ constexpr int kMxfp4Batch = 4;
 template <bool kDouble, int B = kMxfp4Batch>
 struct Mxfp4Tile {
   Mxfp4Group gr[B];
-  int64_t rows[2];
+  const uint8_t* row_codes[2];  // rows g and g + 8 of the tile (clamped to n - 1)
+  const uint32_t* row_scales[2];
   int64_t k, groups;
-  int kw, ks;
+  int kw, ks, whole;
 
-  __device__ __forceinline__ void load_batch(const Mxfp4Weight& w, int64_t q0, Mxfp4Group (&dst)[B]) {
+  __device__ __forceinline__ void load_batch(const Mxfp4Weight&, int64_t q0, Mxfp4Group (&dst)[B]) {
 #pragma unroll
-    for (int i = 0; i < B; ++i)
-      if (q0 + int64_t(i) * ks < groups) mxfp4_group_load(w, rows, k, q0 + int64_t(i) * ks, dst[i]);
+    for (int i = 0; i < B; ++i) {
+      const int q = int(q0) + i * ks;
+      if (q < groups) mxfp4_group_load(row_codes, row_scales, k, q, q < whole, dst[i]);
+    }
   }
 
   __device__ __forceinline__ void start(const Mxfp4Weight& w, int64_t tile0, int64_t n, int64_t k_, int kw_,
                                         int ks_) {
     const int g = threadIdx.x % 32 / 4;
-    k = k_, kw = kw_, ks = ks_, groups = mxfp4_groups(k_);
-    rows[0] = tile0 + g < n ? tile0 + g : n - 1;
-    rows[1] = tile0 + g + 8 < n ? tile0 + g + 8 : n - 1;
+    k = k_, kw = kw_, ks = ks_, groups = mxfp4_groups(k_), whole = int(k_ / 128);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = tile0 + g + 8 * h < n ? tile0 + g + 8 * h : n - 1;
+      row_codes[h] = w.codes + row * (k_ / 2);
+      row_scales[h] = reinterpret_cast<const uint32_t*>(w.scales + row * mxfp4_scale_stride(k_));
+    }
     load_batch(w, kw, gr);
   }
 
   __device__ __forceinline__ void finish(const Mxfp4Weight& w, const uint4* xb, float (&acc)[4]) {
     const int64_t step = int64_t(ks) * B;
-    const int whole = int(k / 128);  // groups of 4 blocks; a last one may hold 1..3
     for (int64_t q0 = kw; q0 < groups; q0 += step) {
       Mxfp4Group next[B];
       if constexpr (kDouble) {
