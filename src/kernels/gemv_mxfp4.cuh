@@ -112,7 +112,7 @@ struct Mxfp4Tile {
   int64_t k, groups;
   int kw, ks, whole;
 
-  __device__ __forceinline__ void load_batch(const Mxfp4Weight&, int64_t q0, Mxfp4Group (&dst)[B]) {
+  __device__ __forceinline__ void load_batch(int64_t q0, Mxfp4Group (&dst)[B]) {
 #pragma unroll
     for (int i = 0; i < B; ++i) {
       const int q = int(q0) + i * ks;
@@ -130,17 +130,17 @@ struct Mxfp4Tile {
       row_codes[h] = w.codes + row * (k_ / 2);
       row_scales[h] = reinterpret_cast<const uint32_t*>(w.scales + row * mxfp4_scale_stride(k_));
     }
-    load_batch(w, kw, gr);
+    load_batch(kw, gr);
   }
 
-  __device__ __forceinline__ void finish(const Mxfp4Weight& w, const uint4* xb, float (&acc)[4]) {
+  __device__ __forceinline__ void finish(const uint4* xb, float (&acc)[4]) {
     const int64_t step = int64_t(ks) * B;
     for (int64_t q0 = kw; q0 < groups; q0 += step) {
       Mxfp4Group next[B];
       if constexpr (kDouble) {
-        if (q0 + step < groups) load_batch(w, q0 + step, next);
+        if (q0 + step < groups) load_batch(q0 + step, next);
       } else {
-        if (q0 != kw) load_batch(w, q0, gr);
+        if (q0 != kw) load_batch(q0, gr);
       }
 #pragma unroll
       for (int i = 0; i < B; ++i) {
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
   __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
   for (;;) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    if (base + nt < tiles) tile.finish(w, mxfp4_x_units(xs, k, m), acc);
+    if (base + nt < tiles) tile.finish(mxfp4_x_units(xs, k, m), acc);
     const int64_t next = base + stride;
     if (next + nt < tiles) tile.start(w, (next + nt) * 16, n, k, kw, KS);
     if (2 * t < m) partial[nt][kw][2 * t][g] = acc[0], partial[nt][kw][2 * t][g + 8] = acc[2];

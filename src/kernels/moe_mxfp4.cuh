@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(32 * KS * NTB, moe_mxfp4_gate_up_min_blocks(32
   Mxfp4Tile<kDouble, B> tile;
   tile.start(w, tile0, 2 * inter, hidden, kw, KS);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile.finish(w, mxfp4_x_units(xs, hidden, 1), acc);
+  tile.finish(mxfp4_x_units(xs, hidden, 1), acc);
   __shared__ float partial[NTB][KS][16];
   if (t == 0) partial[nt][kw][g] = acc[0], partial[nt][kw][g + 8] = acc[2];  // column 0: the token
   __syncthreads();
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(32 * kMoeMxfp4DownWarps) moe_mxfp4_down_kernel
   __syncthreads();
   NIBBLE_TIMELINE_MARK();
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  if (s < top_k) tile.finish(Mxfp4Weight{d.codes, d.scales}, mxfp4_x_units(xs + s * mxfp4_x_stride(inter), inter, 1), acc);
+  if (s < top_k) tile.finish(mxfp4_x_units(xs + s * mxfp4_x_stride(inter), inter, 1), acc);
   __shared__ float partial[kMoeMxfp4DownWarps][16];
   if (t == 0) partial[warp][g] = acc[0], partial[warp][g + 8] = acc[2];
   __syncthreads();

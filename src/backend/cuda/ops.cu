@@ -106,24 +106,24 @@ struct GemvDense {
     if (T == kernels::DenseType::kBF16 && !split_k && gemv_bf16_mma(w, bias, x, y, m, n, k, io)) return;
     if (split_k) {
       dispatch_norm(io, [&](auto kNorm) {
-        auto go = [&](auto M) {
-          launch_pdl(kernels::gemv_dense_split_k_kernel<T, M.value, kDenseSplitKWarps, kNorm.value>, unsigned(n),
-                     32 * kDenseSplitKWarps, w, bias, x, y, int(m), n, k, to_kernel(io));
-        };
         // One row: the row's weights in registers before the wait, x read once (SplitKRowOnePass).
         // NIBBLE_NO_ROUTER_ONE_PASS=1: the two passes, for A/B runs.
-        static const bool two_pass = std::getenv("NIBBLE_NO_ROUTER_ONE_PASS") != nullptr;
-        if (m == 1 && two_pass)
-          launch_pdl(kernels::gemv_dense_split_k_kernel<T, 1, kDenseSplitKWarps, kNorm.value, false>, unsigned(n),
-                     32 * kDenseSplitKWarps, w, bias, x, y, int(m), n, k, to_kernel(io));
+        static const bool one_pass = std::getenv("NIBBLE_NO_ROUTER_ONE_PASS") == nullptr;
+        auto go = [&](auto M, auto kOnePass) {
+          launch_pdl(
+              kernels::gemv_dense_split_k_kernel<T, M.value, kDenseSplitKWarps, kNorm.value, kOnePass.value>,
+              unsigned(n), 32 * kDenseSplitKWarps, w, bias, x, y, int(m), n, k, to_kernel(io));
+        };
+        if (m == 1 && !one_pass)
+          go(std::integral_constant<int, 1>{}, std::false_type{});
         else if (m == 1)
-          go(std::integral_constant<int, 1>{});
+          go(std::integral_constant<int, 1>{}, std::true_type{});
         else if (m == 2)
-          go(std::integral_constant<int, 2>{});
+          go(std::integral_constant<int, 2>{}, std::true_type{});
         else if (m <= 4)
-          go(std::integral_constant<int, 4>{});
+          go(std::integral_constant<int, 4>{}, std::true_type{});
         else
-          go(std::integral_constant<int, 8>{});
+          go(std::integral_constant<int, 8>{}, std::true_type{});
       });
       return;
     }
