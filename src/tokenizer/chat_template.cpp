@@ -178,7 +178,15 @@ std::string float_repr(double x) {
   return neg ? "-" + out : out;
 }
 
-std::string repr(const Value& v);
+// Values nest at most this deep when printed or serialised: only a namespace that holds itself
+// ({% set ns.self = ns %}) goes deeper, and that must end in an error, not a stack overflow.
+constexpr int kMaxValueNesting = 256;
+void check_nesting(int depth, const char* what) {
+  if (depth > kMaxValueNesting)
+    fail(fmt::format("{}: a value nested more than {} deep (a namespace that holds itself?)", what, kMaxValueNesting));
+}
+
+std::string repr(const Value& v, int depth = 0);
 
 // Python str(): what {{ }} prints.
 std::string to_str(const Value& v) {
@@ -211,19 +219,21 @@ std::string py_quote(const std::string& s) {
   return out + q;
 }
 
-std::string repr(const Value& v) {
+std::string repr(const Value& v, int depth) {
+  check_nesting(depth, "printing");
   switch (v.kind) {
     case Value::kString: return py_quote(v.s);
     case Value::kList: {
       std::string out = v.is_tuple ? "(" : "[";
-      for (size_t i = 0; i < v.list->size(); ++i) out += (i ? ", " : "") + repr((*v.list)[i]);
+      for (size_t i = 0; i < v.list->size(); ++i) out += (i ? ", " : "") + repr((*v.list)[i], depth + 1);
       if (v.is_tuple) return out + (v.list->size() == 1 ? ",)" : ")");
       return out + "]";
     }
     case Value::kDict: {
       std::string out = v.is_namespace ? "<Namespace {" : "{";
       bool first = true;
-      for (auto& [k, x] : v.dict->items) out += (first ? "" : ", ") + py_quote(k) + ": " + repr(x), first = false;
+      for (auto& [k, x] : v.dict->items)
+        out += (first ? "" : ", ") + py_quote(k) + ": " + repr(x, depth + 1), first = false;
       return out + (v.is_namespace ? "}>" : "}");
     }
     case Value::kFunction: return "<function>";
@@ -233,6 +243,7 @@ std::string repr(const Value& v) {
 
 // json.dumps(x, ensure_ascii=False, indent=indent), as transformers' tojson filter does.
 void to_json(const Value& v, int indent, int depth, std::string& out) {
+  check_nesting(depth, "tojson");
   auto newline = [&](int d) {
     if (indent >= 0) out += '\n' + std::string(size_t(indent * d), ' ');
   };
@@ -410,6 +421,8 @@ bool equal(const Value& a, const Value& b) {
         if (!equal((*a.list)[i], (*b.list)[i])) return false;
       return true;
     case Value::kDict:
+      // Namespaces compare by identity, as Jinja's do (and a namespace may hold itself).
+      if (a.is_namespace || b.is_namespace) return a.dict == b.dict;
       if (a.dict->items.size() != b.dict->items.size()) return false;
       for (auto& [k, v] : a.dict->items) {
         const Value* o = b.dict->find(k);
@@ -1220,6 +1233,14 @@ struct LoopControl {
 class Renderer {
  public:
   Renderer(const Template& t, std::time_t now) : t_(t), now_(now) { install_globals(); }
+  // A namespace is the one value a template can change after making it, so it can come to hold
+  // itself ({% set ns.self = ns %}, found by the fuzzer): the shared pointers would never free
+  // such a cycle. Emptying every namespace made during the render breaks them all.
+  ~Renderer() {
+    for (auto& d : namespaces_) d->items.clear();
+  }
+  Renderer(const Renderer&) = delete;
+  Renderer& operator=(const Renderer&) = delete;
 
   std::string render(const nlohmann::ordered_json& context) {
     NIBBLE_CHECK(context.is_object(), "chat template context must be a JSON object");
@@ -1247,8 +1268,9 @@ class Renderer {
       const size_t n = std::strftime(buf, sizeof buf, f.c_str(), &tm);
       return Value::string(std::string(buf, n));
     });
-    globals_.vars["namespace"] = Value::function([](Args& a) {
+    globals_.vars["namespace"] = Value::function([this](Args& a) {
       auto d = std::make_shared<Dict>();
+      namespaces_.push_back(d);
       for (auto& p : a.pos) {
         if (p.kind != Value::kDict) fail("namespace() takes keyword arguments or a dict");
         for (auto& [k, v] : p.dict->items) d->set(k, v);
@@ -2096,6 +2118,7 @@ class Renderer {
   const Template& t_;
   std::time_t now_;
   Scope globals_, root_;
+  std::vector<std::shared_ptr<Dict>> namespaces_;  // made by namespace() in this render
   int64_t steps_ = 0;
   int macro_depth_ = 0;
 };

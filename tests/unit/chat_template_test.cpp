@@ -121,6 +121,10 @@ TEST(ChatTemplate, ErrorsNameTheProblem) {
       {"{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed more than 100 deep"},
       {"{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "runs too long"},
       {"{% set s = 'x' * 10000000 %}{% for i in range(100) %}{{ s }}{% endfor %}", "over 64 MiB"},
+      // A namespace that holds itself (found by the fuzzer: it also leaked) prints and serialises
+      // to an error, not to a stack overflow.
+      {"{% set ns = namespace(n=1) %}{% set ns.self = ns %}{{ ns }}", "printing: a value nested more than 256"},
+      {"{% set ns = namespace(n=1) %}{% set ns.l = [ns] %}{{ ns | tojson }}", "tojson: a value nested more than 256"},
   };
   for (const Bad& b : cases) {
     try {
@@ -130,6 +134,12 @@ TEST(ChatTemplate, ErrorsNameTheProblem) {
       EXPECT_NE(std::string(e.what()).find(b.says), std::string::npos) << b.src << " -> " << e.what();
     }
   }
+  // The same namespace is fine where nothing walks into it; it compares by identity, as in Jinja.
+  EXPECT_EQ(ChatTemplate::parse("{% set ns = namespace(n=1) %}{% set ns.self = ns %}{% set o = namespace(n=1) %}"
+                                "{{ ns.self.self.n }} {{ ns == ns.self }} {{ ns == o }}",
+                                "snippet")
+                .render(nlohmann::ordered_json::object()),
+            "1 True False");
   const std::string deep = "{{ " + std::string(500, '(') + "1" + std::string(500, ')') + " }}";
   EXPECT_THROW(ChatTemplate::parse(deep, "snippet"), Error);
 }
