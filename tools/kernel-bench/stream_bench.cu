@@ -1,0 +1,132 @@
+// How fast weights stream from DRAM into shared memory through bulk copies (cp.async.bulk, the
+// TMA) into a ring of stages, as the streamed MXFP4 MoE kernels read them
+// (kernels/moe_mxfp4_stream.cuh), against plain register loads of the same bytes. The question
+// behind it: those kernels stream at ~1.8 TB/s of 3.0 while their consumer warps wait for stages
+// (BENCHMARKS.md), so is it the copies (bytes in flight, copies a tile) or the consumers' time on
+// a stage? Here the consumers only read the stage and do `work` rounds of dummy arithmetic a
+// 16-byte unit, so the two can be told apart.
+//
+// Each launch streams one gpt-oss-20b layer's gate/up bytes (4 experts x 5760 rows x 1440 bytes +
+// scales, as 24 KB tiles), rotating over copies that together exceed L2, so every launch reads
+// DRAM. Prints µs a launch and GB/s for each shape: blocks an SM x stages x bulk copies a tile x
+// work, then the register-load reference. Run by hand on the GPU:
+//   build/cuda/stream_bench
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "bench_common.cuh"
+#include "kernels/bulk_copy.cuh"
+
+namespace {
+
+using namespace nibble::kernels;
+
+constexpr int kConsumers = 8;            // consumer warps a block, as the MoE kernels
+constexpr int kTileBytes = 24 * 1024;    // ~ a 16-row gate/up tile of gpt-oss (23 KB codes + scales)
+constexpr int64_t kBytes = 1440 * kTileBytes;  // ~35 MB: a layer's gate/up at batch 1
+
+// Blocks take tiles blockIdx.x, + gridDim.x, ...; warp kConsumers produces, the others consume.
+__global__ void __launch_bounds__(32 * (kConsumers + 1)) stream_kernel(const uint8_t* src, int64_t tiles, int copies,
+                                                                        int stages, int work, uint32_t* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  auto* full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * kTileBytes);
+  uint64_t* empty = full + stages;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], kConsumers);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  const int64_t mine = tiles > blockIdx.x ? (tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  if (warp == kConsumers) {
+    const uint64_t policy = l2_evict_first_policy();
+    const int piece = kTileBytes / copies;
+    for (int64_t j = 0; j < mine; ++j) {
+      const int s = int(j % stages);
+      if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
+      const uint8_t* tile = src + (blockIdx.x + j * gridDim.x) * int64_t(kTileBytes);
+      if (lane == 0) mbarrier_arrive_expect(&full[s], uint32_t(kTileBytes));
+      __syncwarp();
+      for (int c = lane; c < copies; c += 32)
+        bulk_load(smem + int64_t(s) * kTileBytes + c * piece, tile + c * piece, uint32_t(piece), &full[s], policy);
+    }
+    return;
+  }
+  uint32_t acc = 0;
+  constexpr int kUnits = kTileBytes / 16;
+  for (int64_t j = 0; j < mine; ++j) {
+    const int s = int(j % stages);
+    mbarrier_wait(&full[s], uint32_t((j / stages) & 1));
+    const uint4* stage = reinterpret_cast<const uint4*>(smem + int64_t(s) * kTileBytes);
+    for (int u = warp * 32 + lane; u < kUnits; u += 32 * kConsumers) {
+      const uint4 v = stage[u];
+      uint32_t h = v.x ^ v.y ^ v.z ^ v.w;
+      for (int i = 0; i < work; ++i) h = h * 2654435761u + (h >> 7);
+      acc += h;
+    }
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(&empty[s]);
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;  // never, but the compiler cannot know
+}
+
+// The reference: every thread loads 16-byte units straight into registers, 8 in flight.
+__global__ void __launch_bounds__(256) register_kernel(const uint4* src, int64_t units, uint32_t* sink) {
+  uint32_t acc = 0;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += 8 * stride) {
+    uint4 v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = u + i * stride < units ? __ldcs(src + u + i * stride) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc += v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+}  // namespace
+
+int main() {
+  int sms = 0, optin = 0;
+  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  BENCH_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  const int rotations = kernel_bench::copies_past_l2(kBytes);
+  uint8_t* buf = nullptr;
+  BENCH_CHECK(cudaMalloc(&buf, kBytes * rotations));
+  kernel_bench::fill_bytes_kernel<<<1024, 256>>>(buf, kBytes * rotations, 7u, 0u, 256u);
+  uint32_t* sink = nullptr;
+  BENCH_CHECK(cudaMalloc(&sink, 4));
+  BENCH_CHECK(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+  const int64_t tiles = kBytes / kTileBytes;
+  std::printf("%d SMs; %lld bytes a launch in %lld tiles of %d; %d copies past L2\n", sms, (long long)kBytes,
+              (long long)tiles, kTileBytes, rotations);
+  for (int work : {0, 8, 24})
+    for (int stages : {2, 3, 4, 6})
+      for (int per_sm : {1, 2, 3, 4, 6})
+        for (int copies : {1, 16}) {
+          const size_t smem = size_t(stages) * kTileBytes + 16 * stages;
+          int resident = 0;
+          BENCH_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, stream_kernel, 32 * (kConsumers + 1),
+                                                                    smem));
+          if (int(smem) > optin || resident < per_sm) continue;
+          char name[96];
+          std::snprintf(name, sizeof name, "bulk: %d/SM x %d stages, %2d copies, work %2d", per_sm, stages, copies, work);
+          kernel_bench::time_launches(name, double(kBytes), rotations, 20, [&](int i) {
+            stream_kernel<<<per_sm * sms, 32 * (kConsumers + 1), smem>>>(buf + (i % rotations) * kBytes, tiles, copies,
+                                                                           stages, work, sink);
+          });
+        }
+  for (int per_sm : {4, 8})
+    kernel_bench::time_launches(per_sm == 4 ? "registers: 4 blocks/SM of 256" : "registers: 8 blocks/SM of 256",
+                                double(kBytes), rotations, 20, [&](int i) {
+                                  register_kernel<<<per_sm * sms, 256>>>(
+                                      reinterpret_cast<const uint4*>(buf + (i % rotations) * kBytes), kBytes / 16, sink);
+                                });
+  BENCH_CHECK(cudaFree(buf));
+  BENCH_CHECK(cudaFree(sink));
+  return 0;
+}
