@@ -9,7 +9,8 @@
 // Each launch streams one gpt-oss-20b layer's gate/up bytes (4 experts x 5760 rows x 1440 bytes +
 // scales, as 24 KB tiles), rotating over copies that together exceed L2, so every launch reads
 // DRAM. Prints µs a launch and GB/s for each shape: blocks an SM x stages x bulk copies a tile x
-// work, then the register-load reference. Run by hand on the GPU:
+// work, then the first tile issued ahead of the others (a gap, or until it lands), then the
+// register-load reference. Run by hand on the GPU:
 //   build/cuda/stream_bench
 #include <cuda_runtime.h>
 
@@ -30,8 +31,12 @@ constexpr int kTileBytes = 24 * 1024;    // ~ a 16-row gate/up tile of gpt-oss (
 constexpr int64_t kBytes = 1440 * kTileBytes;  // ~35 MB: a layer's gate/up at batch 1
 
 // Blocks take tiles blockIdx.x, + gridDim.x, ...; warp kConsumers produces, the others consume.
+// gap_ns > 0: the producer sleeps that long after its first tile's copies before the next ones;
+// gap_ns < 0: it waits until its first tile has landed (does issuing every block's first tile
+// ahead of the second ones shorten the ramp?).
 __global__ void __launch_bounds__(32 * (kConsumers + 1)) stream_kernel(const uint8_t* src, int64_t tiles, int copies,
-                                                                        int stages, int work, uint32_t* sink) {
+                                                                        int stages, int work, uint32_t* sink,
+                                                                        int gap_ns = 0) {
   extern __shared__ __align__(128) uint8_t smem[];
   auto* full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * kTileBytes);
   uint64_t* empty = full + stages;
@@ -53,6 +58,8 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1)) stream_kernel(const uin
       __syncwarp();
       for (int c = lane; c < copies; c += 32)
         bulk_load(smem + int64_t(s) * kTileBytes + c * piece, tile + c * piece, uint32_t(piece), &full[s], policy);
+      if (j == 0 && gap_ns > 0) __nanosleep(unsigned(gap_ns));
+      if (j == 0 && gap_ns < 0) mbarrier_wait(&full[0], 0u);
     }
     return;
   }
@@ -120,6 +127,18 @@ int main() {
                                                                            stages, work, sink);
           });
         }
+  for (int work : {0, 24})
+    for (int stages : {2, 3})
+      for (int gap : {0, 250, 500, 1000, 2000, -1}) {
+        const int per_sm = stages == 2 ? 3 : 2;
+        const size_t smem = size_t(stages) * kTileBytes + 16 * stages;
+        char name[96];
+        std::snprintf(name, sizeof name, "bulk: %d/SM x %d stages, gap %5d ns, work %2d", per_sm, stages, gap, work);
+        kernel_bench::time_launches(name, double(kBytes), rotations, 20, [&](int i) {
+          stream_kernel<<<per_sm * sms, 32 * (kConsumers + 1), smem>>>(buf + (i % rotations) * kBytes, tiles, 16,
+                                                                         stages, work, sink, gap);
+        });
+      }
   for (int per_sm : {4, 8})
     kernel_bench::time_launches(per_sm == 4 ? "registers: 4 blocks/SM of 256" : "registers: 8 blocks/SM of 256",
                                 double(kBytes), rotations, 20, [&](int i) {
