@@ -47,10 +47,12 @@ class GptOssOpsTest : public GpuCompareTest {
 
 // Shapes: a last group of 3 blocks (k = 96) and of 2 (2880, gpt-oss's hidden size), rows that end
 // inside a 16-row tile (136, 201), one block per row (32), one group (128), a row of 8 groups of
-// 4 (4096, o_proj's input), and an lm_head-sized matrix (blocks of 4 tiles, a last partial tile).
+// 4 (4096, o_proj's input), and lm_head-sized matrices: with a last partial tile (the register
+// GEMV's blocks of 4 tiles) and of whole tiles (at m = 1 streamed through shared memory on sm_90+,
+// kernels/mxfp4_stream.cuh; k = 96: one partial group a row).
 TEST_F(GptOssOpsTest, LinearMxfp4) {
   for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 96}, {5760, 2880}, {201, 4096}, {64, 32}, {48, 128},
-                      {32776, 2880}}) {
+                      {32776, 2880}, {32768, 2880}, {32768, 96}}) {
     for (int64_t m : {1, 2, 3, 8, 9, 33, 77}) {  // 9 and up: cuBLASLt's GEMM on the BF16 copy
       if (n > 10000 && m != 1 && m != 3) continue;  // lm_head-sized: blocks striding over 2049 tiles
       LinearWeight host = random_mxfp4(n, k, m % 2 == 1);
@@ -76,8 +78,9 @@ TEST_F(GptOssOpsTest, Mxfp4FusedFormsConcatAndPrepare) {
   WeightVector norm_host = host_vector(random(k, 1.f));
   WeightVector norm_dev = gpu_->upload(norm_host);
   // 5120 rows: gpt-oss's q/k/v (128-thread blocks, the one-pass norm at its widest: 6 units a
-  // thread); 32776 rows: an lm_head's 2049 tiles, which the blocks stride over (double-buffered).
-  for (auto [n, m] : {std::pair<int64_t, int64_t>{200, 1}, {200, 4}, {5120, 1}, {32776, 1}, {32776, 3}}) {
+  // thread); 32776 rows: an lm_head's 2049 tiles, which the blocks stride over (double-buffered);
+  // 32768 rows at m = 1: whole tiles, streamed on sm_90+.
+  for (auto [n, m] : {std::pair<int64_t, int64_t>{200, 1}, {200, 4}, {5120, 1}, {32776, 1}, {32776, 3}, {32768, 1}}) {
     LinearWeight host = random_mxfp4(n, k, true), dev = gpu_->upload(host);
     auto x = random(m * k, 3.f);
     std::vector<float> want(size_t(m * n));

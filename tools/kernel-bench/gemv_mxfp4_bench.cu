@@ -3,6 +3,8 @@
 // larger than it). Not a test, not a benchmark of record: a tool for choosing launch shapes. The
 // CUDA build makes build/cuda/gemv_mxfp4_bench; on the GPU:
 //   gemv_mxfp4_bench 5120 2880 1 [norm]     # n k m, with the fused RMS norm when a 4th argument
+// With m = 1, n % 16 == 0 and k % 32 == 0 it also times the streamed kernel (kernels/mxfp4_stream.cuh)
+// at several consumer-warp and stage counts.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "kernels/gemv_mxfp4.cuh"
+#include "kernels/mxfp4_stream.cuh"
 #include "bench_common.cuh"
 
 using namespace nibble::kernels;
@@ -68,5 +71,37 @@ int main(int argc, char** argv) {
     variants(std::true_type{});
   else
     variants(std::false_type{});
+  if (m != 1 || n % 16 != 0 || k % 32 != 0) return 0;
+  auto stream = [&](auto kernel, int warps, int stages) {
+    const size_t ssmem = size_t(mxfp4_stream_smem(k, stages, warps, mxfp4_x_bytes(1, k)));
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ssmem)) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    int per_sm = 0, sms = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * (warps + 1), ssmem);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    if (per_sm == 0) return;
+    const unsigned blocks = unsigned(std::min<int64_t>(n / 16, int64_t(per_sm) * sms));
+    char label[96];
+    std::snprintf(label, sizeof label, "stream W%d stages %d (%u blocks, %d/SM)", warps, stages, blocks, per_sm);
+    time(label, [&](const Mxfp4Weight& wt) {
+      kernel<<<blocks, 32 * (warps + 1), ssmem>>>(wt, nullptr, x, y, n, k, io, stages);
+    });
+  };
+  auto streams = [&](auto kNorm) {
+    constexpr bool N = decltype(kNorm)::value;
+    for (int stages : {2, 3, 4}) stream(gemv_mxfp4_stream_kernel<8, N>, 8, stages);
+    for (int stages : {2, 3}) stream(gemv_mxfp4_stream_kernel<8, N, 3>, 8, stages);  // registers for 3 an SM
+    for (int stages : {2, 3}) stream(gemv_mxfp4_stream_kernel<4, N>, 4, stages);
+    for (int stages : {2, 3}) stream(gemv_mxfp4_stream_kernel<4, N, 5>, 4, stages);
+    for (int stages : {2, 3}) stream(gemv_mxfp4_stream_kernel<12, N>, 12, stages);
+    for (int stages : {2, 3}) stream(gemv_mxfp4_stream_kernel<16, N>, 16, stages);
+    for (int stages : {1, 2}) stream(gemv_mxfp4_stream_kernel<8, N, 4>, 8, stages);
+  };
+  if (norm)
+    streams(std::true_type{});
+  else
+    streams(std::false_type{});
   return 0;
 }

@@ -1,6 +1,6 @@
 // How fast weights stream from DRAM into shared memory through bulk copies (cp.async.bulk, the
 // TMA) into a ring of stages, as the streamed MXFP4 MoE kernels read them
-// (kernels/moe_mxfp4_stream.cuh), against plain register loads of the same bytes. The question
+// (kernels/mxfp4_stream.cuh), against plain register loads of the same bytes. The question
 // behind it: those kernels stream at ~1.8 TB/s of 3.0 while their consumer warps wait for stages
 // (BENCHMARKS.md), so is it the copies (bytes in flight, copies a tile) or the consumers' time on
 // a stage? Here the consumers only read the stage and do `work` rounds of dummy arithmetic a

@@ -23,6 +23,7 @@
 #include "kernels/moe.cuh"
 #include "kernels/moe_mxfp4.cuh"
 #include "kernels/moe_mxfp4_stream.cuh"
+#include "kernels/mxfp4_stream.cuh"
 #include "kernels/norm.cuh"
 
 namespace nibble::cuda {
@@ -674,9 +675,53 @@ void mxfp4_dequant_bf16(const uint8_t* codes, const uint8_t* scales, void* out, 
                                                                          static_cast<__nv_bfloat16*>(out), n, k);
 }
 
+// An MXFP4 lm_head at batch 1 streamed through shared memory (kernels/mxfp4_stream.cuh):
+// kMxfp4HeadWarps consumer warps and a producer a block, kMxfp4HeadStages stages, one wave of
+// blocks (2 an SM) striding over the tiles. Whole 16-row tiles, 16-byte code rows and sm_90+
+// (bulk copies; clusters come with them); the register GEMV takes the rest. Alone on gpt-oss's
+// 201088 x 2880 head (H100, tools/kernel-bench/gemv_mxfp4_bench.cu): 118.7 µs (2.6 TB/s) against
+// 146.2 for the register GEMV's best shape; 3-4 stages, 3-4 blocks an SM, 4, 12 or 16 consumer
+// warps were 0-16% slower. The bulk copies alone stream it in 101-103 µs: the consumers' E2M1
+// decode (ALU pipe ~50% busy) is what remains. NIBBLE_MXFP4_HEAD_REGS=1: the register GEMV
+// everywhere, NIBBLE_MXFP4_HEAD_STAGES=n: the stage count, for A/B runs.
+constexpr int kMxfp4HeadWarps = 8;
+constexpr int kMxfp4HeadStages = 2;
+
+static bool gemv_mxfp4_streamed(const uint8_t* codes, const uint8_t* scales, int64_t m, int64_t n, int64_t k,
+                                const GemvIo& io) {
+  static const bool off = std::getenv("NIBBLE_MXFP4_HEAD_REGS") != nullptr;
+  const bool aligned = reinterpret_cast<uintptr_t>(codes) % 16 == 0 && reinterpret_cast<uintptr_t>(scales) % 16 == 0;
+  return !off && m == 1 && !io.normed_out && !io.staged_out && (n + 15) / 16 >= kMxfp4StrideTiles && n % 16 == 0 && (k / 2) % 16 == 0 && aligned &&
+         clusters_supported();
+}
+
+static void gemv_mxfp4_stream(const kernels::Mxfp4Weight& w, const float* bias, const float* x, float* y, int64_t n,
+                              int64_t k, const GemvIo& io) {
+  static const int wanted = [] {
+    const char* env = std::getenv("NIBBLE_MXFP4_HEAD_STAGES");
+    return env ? std::clamp(std::atoi(env), 1, 16) : kMxfp4HeadStages;
+  }();
+  constexpr int W = kMxfp4HeadWarps, threads = 32 * (W + 1);
+  const int64_t extra = kernels::mxfp4_x_bytes(1, k);
+  int optin = 0;
+  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
+  const int64_t per_stage = kernels::mxfp4_stream_smem(k, 1, W, 0) - kernels::mxfp4_stream_smem(k, 0, W, 0);
+  const int stages = int(std::max<int64_t>(1, std::min<int64_t>(
+                             wanted, (optin - 2048 - kernels::mxfp4_stream_smem(k, 0, W, extra)) / per_stage)));
+  const size_t smem = size_t(kernels::mxfp4_stream_smem(k, stages, W, extra));
+  dispatch_norm(io, [&](auto kNorm) {
+    const auto kernel = kernels::gemv_mxfp4_stream_kernel<W, kNorm.value>;
+    allow_smem(kernel, smem);
+    const int64_t resident = int64_t(resident_blocks(kernel, threads, smem)) * int64_t(sm_count());
+    launch_pdl_smem(kernel, unsigned(std::min<int64_t>(n / 16, resident)), threads, smem, w, bias, x, y, n, k,
+                    to_kernel(io), stages);
+  });
+}
+
 void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y, int64_t m,
                 int64_t n, int64_t k, const GemvIo& io) {
   const kernels::Mxfp4Weight w{codes, scales};
+  if (gemv_mxfp4_streamed(codes, scales, m, n, k, io)) return gemv_mxfp4_stream(w, bias, x, y, n, k, io);
   const size_t smem = size_t(kernels::mxfp4_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_mxfp4_split(k, n, [&](auto KS, auto NTB, auto B) {
