@@ -551,20 +551,25 @@ constexpr int kMxfp4StreamWarps = 8;
 constexpr int kMxfp4StreamStages = 2;
 constexpr int kMxfp4StreamGateUpBlocks = 3;  // registers for 3 blocks an SM
 
-static int mxfp4_stream_stages(int64_t k, int64_t extra) {
+// The most stages, up to `wanted`, that fit one block of the streamed kernels (W consumer warps,
+// K = k, `extra` bytes of staged input) in the shared memory a block may opt in to.
+static int mxfp4_stream_fit(int64_t k, int warps, int64_t extra, int wanted) {
   static const int optin = [] {
     int bytes = 0;
     cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
     return bytes;
   }();
+  const int64_t per_stage = kernels::mxfp4_stream_smem(k, 1, warps, 0) - kernels::mxfp4_stream_smem(k, 0, warps, 0);
+  const int64_t fit = (optin - 2048 - kernels::mxfp4_stream_smem(k, 0, warps, extra)) / per_stage;
+  return int(std::min<int64_t>(wanted, fit));
+}
+
+static int mxfp4_stream_stages(int64_t k, int64_t extra) {
   static const int wanted = [] {
     const char* env = std::getenv("NIBBLE_MXFP4_STREAM_STAGES");
     return env ? std::max(2, std::atoi(env)) : kMxfp4StreamStages;
   }();
-  const int64_t per_stage = kernels::mxfp4_stream_smem(k, 1, kMxfp4StreamWarps, 0) -
-                            kernels::mxfp4_stream_smem(k, 0, kMxfp4StreamWarps, 0);
-  const int64_t fit = (optin - 2048 - kernels::mxfp4_stream_smem(k, 0, kMxfp4StreamWarps, extra)) / per_stage;
-  return int(std::min<int64_t>(wanted, fit));
+  return mxfp4_stream_fit(k, kMxfp4StreamWarps, extra, wanted);
 }
 
 // sm_90+ (bulk copies; clusters come with them), whole tiles, room for 2 stages.
@@ -687,28 +692,27 @@ void mxfp4_dequant_bf16(const uint8_t* codes, const uint8_t* scales, void* out, 
 constexpr int kMxfp4HeadWarps = 8;
 constexpr int kMxfp4HeadStages = 2;
 
-static bool gemv_mxfp4_streamed(const uint8_t* codes, const uint8_t* scales, int64_t m, int64_t n, int64_t k,
-                                const GemvIo& io) {
-  static const bool off = std::getenv("NIBBLE_MXFP4_HEAD_REGS") != nullptr;
-  const bool aligned = reinterpret_cast<uintptr_t>(codes) % 16 == 0 && reinterpret_cast<uintptr_t>(scales) % 16 == 0;
-  return !off && m == 1 && !io.normed_out && !io.staged_out && (n + 15) / 16 >= kMxfp4StrideTiles && n % 16 == 0 && (k / 2) % 16 == 0 && aligned &&
-         clusters_supported();
-}
-
-static void gemv_mxfp4_stream(const kernels::Mxfp4Weight& w, const float* bias, const float* x, float* y, int64_t n,
-                              int64_t k, const GemvIo& io) {
+static int mxfp4_head_stages(int64_t k) {
   static const int wanted = [] {
     const char* env = std::getenv("NIBBLE_MXFP4_HEAD_STAGES");
     return env ? std::clamp(std::atoi(env), 1, 16) : kMxfp4HeadStages;
   }();
+  return mxfp4_stream_fit(k, kMxfp4HeadWarps, kernels::mxfp4_x_bytes(1, k), wanted);
+}
+
+static bool gemv_mxfp4_streamed(const uint8_t* codes, const uint8_t* scales, int64_t m, int64_t n, int64_t k,
+                                const GemvIo& io) {
+  static const bool off = std::getenv("NIBBLE_MXFP4_HEAD_REGS") != nullptr;
+  const bool aligned = reinterpret_cast<uintptr_t>(codes) % 16 == 0 && reinterpret_cast<uintptr_t>(scales) % 16 == 0;
+  return !off && m == 1 && !io.normed_out && !io.staged_out && n / 16 >= kMxfp4StrideTiles && n % 16 == 0 &&
+         (k / 2) % 16 == 0 && aligned && clusters_supported() && mxfp4_head_stages(k) >= 1;
+}
+
+static void gemv_mxfp4_stream(const kernels::Mxfp4Weight& w, const float* bias, const float* x, float* y, int64_t n,
+                              int64_t k, const GemvIo& io) {
   constexpr int W = kMxfp4HeadWarps, threads = 32 * (W + 1);
-  const int64_t extra = kernels::mxfp4_x_bytes(1, k);
-  int optin = 0;
-  cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
-  const int64_t per_stage = kernels::mxfp4_stream_smem(k, 1, W, 0) - kernels::mxfp4_stream_smem(k, 0, W, 0);
-  const int stages = int(std::max<int64_t>(1, std::min<int64_t>(
-                             wanted, (optin - 2048 - kernels::mxfp4_stream_smem(k, 0, W, extra)) / per_stage)));
-  const size_t smem = size_t(kernels::mxfp4_stream_smem(k, stages, W, extra));
+  const int stages = mxfp4_head_stages(k);
+  const size_t smem = size_t(kernels::mxfp4_stream_smem(k, stages, W, kernels::mxfp4_x_bytes(1, k)));
   dispatch_norm(io, [&](auto kNorm) {
     const auto kernel = kernels::gemv_mxfp4_stream_kernel<W, kNorm.value>;
     allow_smem(kernel, smem);
