@@ -104,14 +104,16 @@ TEST_F(OpsTest, Linear) {
   // layouts: K a multiple of 1024 (whole 16-byte groups), 768 (a partial group of 3 chunks),
   // 4096 (4 warps along K), 4352 (8 warps, a partial fifth group), 9216 (two groups for some warps,
   // and 147 KB of staged activations at m = 8), n = 100 (a partial 16-row tile), n = 20000 (more
-  // rows than the dense GEMV's grid: its warps stride over row groups).
+  // rows than the dense GEMV's grid: its warps stride over row groups), 5120 x 2048 (Qwen3-30B-A3B's
+  // q/k/v: 320 tiles, 3 a block at m = 1 on a 132-SM GPU, the last block's third tile past n).
   for (Format f : {Format{WeightFormat::kF32, 0, "f32"}, Format{WeightFormat::kF16, 0, "f16"},
                    Format{WeightFormat::kBF16, 0, "bf16"}, Format{WeightFormat::kInt4, 32, "int4-g32"},
                    Format{WeightFormat::kInt4, 64, "int4-g64"}, Format{WeightFormat::kInt4, 128, "int4-g128"},
                    Format{WeightFormat::kInt4, 128, "int4-g128-sym", true},
                    Format{WeightFormat::kInt4, -1, "int4-channel"}}) {
     for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 96}, {200, 328}, {8, 2048}, {1000, 40}, {4096, 2048},
-                        {2048, 768}, {9000, 256}, {100, 1024}, {64, 4096}, {24, 4352}, {40, 9216}, {20000, 256}}) {
+                        {2048, 768}, {9000, 256}, {100, 1024}, {64, 4096}, {24, 4352}, {40, 9216}, {20000, 256},
+                        {5120, 2048}}) {
       for (int64_t m : {1, 2, 3, 5, 8, 16, 33}) {
         const bool bias = m == 5;
         LinearWeight host = random_weight(f.format, n, k, f.group, bias, f.symmetric);
@@ -646,8 +648,8 @@ TEST_F(OpsTest, FusedResidualOps) {
   for (auto [format, group] : {std::pair<WeightFormat, int64_t>{WeightFormat::kInt4, 128}, {WeightFormat::kInt4, 32},
                                {WeightFormat::kBF16, 0}, {WeightFormat::kF32, 0}})
     // 32 x 3072: a router's few rows (the split-K dense GEMV; at m = 1 its one-pass form, 1 or 2
-    // BF16 vectors a thread, 3 F32).
-    for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 1024}, {2048, 768}, {520, 2048}, {32, 3072}})
+    // BF16 vectors a thread, 3 F32); 5120 x 2048: Qwen3-30B-A3B's normed q/k/v.
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{136, 1024}, {2048, 768}, {520, 2048}, {32, 3072}, {5120, 2048}})
       for (int64_t m : {1, 3, 8, 12}) {
         LinearWeight host = random_weight(format, n, k, group, m == 3);
         LinearWeight dev = gpu_->upload(host);

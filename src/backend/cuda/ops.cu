@@ -310,8 +310,17 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
       };
       // A few tiles (a 4-bit MoE router: 128 rows) with long rows: 8 warps along K and a tile a
       // block, so that each warp's serial share is short (the router is on the critical path).
-      if ((n + 15) / 16 <= 16 && k >= 2048 && m <= 2)
+      // Between 2 and 3 tiles an SM at one row (Qwen3-30B-A3B's q/k/v: 320 tiles of 2048 k), 3
+      // tiles a block: one block an SM, at most 3 tiles of weights, where 2 a block left 28 SMs
+      // with two blocks (4 tiles), the second often not resident beside the MoE down kernel when
+      // released (the timeline's "late" 1.1 µs). A/B on the H100 (BENCHMARKS.md): tg128 +0.9% at
+      // depth 0, +1.7% with the 4-bit lm_head. NIBBLE_INT4_GEMV_NTB2=1: 2 a block, for A/B runs.
+      static const bool two = std::getenv("NIBBLE_INT4_GEMV_NTB2") != nullptr;
+      const int64_t tiles = (n + 15) / 16, sms = int64_t(sm_count());
+      if (tiles <= 16 && k >= 2048 && m <= 2)
         go(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
+      else if (!two && m == 1 && (k / 256 + 3) / 4 == 2 && tiles > 2 * sms && tiles <= 3 * sms)
+        go(std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
       else
         dispatch_mma_split(k, go, m);
     });
