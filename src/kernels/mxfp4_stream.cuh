@@ -145,23 +145,24 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
   __syncthreads();  // the barriers, and whatever the caller staged
   const int64_t mine = items > blockIdx.x ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0, total = mine * L;
 
+  // The producer warp's copies of one tile into stage s, completed on its `full` barrier.
+  auto copy_tile = [&](int s, const Mxfp4StreamTile& src, uint64_t policy) {
+    if (lane == 0) mbarrier_arrive_expect(&full[s], uint32_t(16 * (k / 2) + scale_bytes));
+    __syncwarp();
+    uint8_t* stage = ring + s * stage_bytes;
+    if (lane < 16)
+      bulk_load(stage + lane * stride, src.w.codes + (src.tile0 + lane) * (k / 2), uint32_t(k / 2), &full[s], policy);
+    else if (lane == 16)
+      bulk_load(stage + 16 * stride, src.w.scales + src.tile0 * mxfp4_scale_stride(k), uint32_t(scale_bytes),
+                &full[s], policy);
+  };
   if constexpr (kPrologue) {
     // Tile j of the block's share: item blockIdx.x + (j / L) · gridDim.x, tile j % L of it. The
     // first `stages` go out before the wait (kEarly) or after it, the block stages its input, then
     // the producer goes on as each stage is released.
     const uint64_t policy = warp == W ? l2_evict_first_policy() : 0;
     auto issue = [&](int64_t j) {
-      const int s = int(j % stages);
-      const Mxfp4StreamTile src = source(blockIdx.x + j / L * gridDim.x, int(j % L));
-      if (lane == 0) mbarrier_arrive_expect(&full[s], uint32_t(16 * (k / 2) + scale_bytes));
-      __syncwarp();
-      uint8_t* stage = ring + s * stage_bytes;
-      if (lane < 16)
-        bulk_load(stage + lane * stride, src.w.codes + (src.tile0 + lane) * (k / 2), uint32_t(k / 2), &full[s],
-                  policy);
-      else if (lane == 16)
-        bulk_load(stage + 16 * stride, src.w.scales + src.tile0 * mxfp4_scale_stride(k), uint32_t(scale_bytes),
-                  &full[s], policy);
+      copy_tile(int(j % stages), source(blockIdx.x + j / L * gridDim.x, int(j % L)), policy);
     };
     const int64_t early = total < stages ? total : stages;
     if (!kEarly) pdl_enter();
@@ -186,16 +187,7 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
         const int s = int(j % stages);
         if (kEarly && j == stages) pdl_enter();
         if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
-        const Mxfp4StreamTile src = source(it, l);
-        if (lane == 0) mbarrier_arrive_expect(&full[s], uint32_t(16 * (k / 2) + scale_bytes));
-        __syncwarp();
-        uint8_t* stage = ring + s * stage_bytes;
-        if (lane < 16)
-          bulk_load(stage + lane * stride, src.w.codes + (src.tile0 + lane) * (k / 2), uint32_t(k / 2), &full[s],
-                    policy);
-        else if (lane == 16)
-          bulk_load(stage + 16 * stride, src.w.scales + src.tile0 * mxfp4_scale_stride(k), uint32_t(scale_bytes),
-                    &full[s], policy);
+        copy_tile(s, source(it, l), policy);
       }
     if (kEarly && total <= stages) pdl_enter();
     return;
