@@ -701,26 +701,24 @@ void mxfp4_dequant_bf16(const uint8_t* codes, const uint8_t* scales, void* out, 
 constexpr int kMxfp4HeadWarps = 8;
 constexpr int kMxfp4HeadStages = 2;
 
-static int mxfp4_head_stages(int64_t k) {
+// The stages the streamed head takes for this product, 0 where the register GEMV takes it.
+static int gemv_mxfp4_stream_stages(const uint8_t* codes, const uint8_t* scales, int64_t m, int64_t n, int64_t k,
+                                    const GemvIo& io) {
+  static const bool off = std::getenv("NIBBLE_MXFP4_HEAD_REGS") != nullptr;
   static const int wanted = [] {
     const char* env = std::getenv("NIBBLE_MXFP4_HEAD_STAGES");
     return env ? std::clamp(std::atoi(env), 1, 16) : kMxfp4HeadStages;
   }();
-  return mxfp4_stream_fit(k, kMxfp4HeadWarps, kernels::mxfp4_x_bytes(1, k), wanted);
-}
-
-static bool gemv_mxfp4_streamed(const uint8_t* codes, const uint8_t* scales, int64_t m, int64_t n, int64_t k,
-                                const GemvIo& io) {
-  static const bool off = std::getenv("NIBBLE_MXFP4_HEAD_REGS") != nullptr;
   const bool aligned = reinterpret_cast<uintptr_t>(codes) % 16 == 0 && reinterpret_cast<uintptr_t>(scales) % 16 == 0;
-  return !off && m == 1 && !io.normed_out && !io.staged_out && n / 16 >= kMxfp4StrideTiles && n % 16 == 0 &&
-         (k / 2) % 16 == 0 && aligned && clusters_supported() && mxfp4_head_stages(k) >= 1;
+  if (off || m != 1 || io.normed_out || io.staged_out || n / 16 < kMxfp4StrideTiles || n % 16 != 0 ||
+      (k / 2) % 16 != 0 || !aligned || !clusters_supported())
+    return 0;
+  return std::max(0, mxfp4_stream_fit(k, kMxfp4HeadWarps, kernels::mxfp4_x_bytes(1, k), wanted));
 }
 
 static void gemv_mxfp4_stream(const kernels::Mxfp4Weight& w, const float* bias, const float* x, float* y, int64_t n,
-                              int64_t k, const GemvIo& io) {
+                              int64_t k, const GemvIo& io, int stages) {
   constexpr int W = kMxfp4HeadWarps, threads = 32 * (W + 1);
-  const int stages = mxfp4_head_stages(k);
   const size_t smem = size_t(kernels::mxfp4_stream_smem(k, stages, W, kernels::mxfp4_x_bytes(1, k)));
   dispatch_norm(io, [&](auto kNorm) {
     const auto kernel = kernels::gemv_mxfp4_stream_kernel<W, kNorm.value>;
@@ -734,7 +732,8 @@ static void gemv_mxfp4_stream(const kernels::Mxfp4Weight& w, const float* bias, 
 void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y, int64_t m,
                 int64_t n, int64_t k, const GemvIo& io) {
   const kernels::Mxfp4Weight w{codes, scales};
-  if (gemv_mxfp4_streamed(codes, scales, m, n, k, io)) return gemv_mxfp4_stream(w, bias, x, y, n, k, io);
+  if (const int stages = gemv_mxfp4_stream_stages(codes, scales, m, n, k, io); stages > 0)
+    return gemv_mxfp4_stream(w, bias, x, y, n, k, io, stages);
   const size_t smem = size_t(kernels::mxfp4_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_mxfp4_split(k, n, [&](auto KS, auto NTB, auto B) {
