@@ -26,6 +26,9 @@ constexpr int64_t kAttentionMaxHeadDim = 256;
 struct AttentionMods {
   const float* sinks = nullptr;
   int64_t window = 0;
+  // The PDL trigger at the wait instead of after the loop (NIBBLE_ATTN_EARLY_TRIGGER=1, for A/B
+  // runs; the tensor-core decode kernel only).
+  bool early_trigger = false;
 };
 // The first position a query at n_ctx - 1 sees.
 __device__ __forceinline__ int64_t window_first(int64_t n_ctx, int64_t window) {
@@ -452,7 +455,15 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
         rw0[i] = s_qw[d], rw1[i] = s_qw[d + HD / 2], rcs[i] = s_cos[d], rsn[i] = s_sin[d];
       }
   }
-  pdl_enter();
+  // The successor (the o GEMV) is released only after this block's loop (below): released here,
+  // its blocks' weight loads (o's 4.2 MB for Qwen3-30B-A3B) filled the memory queues while this
+  // loop's K/V rows came from L2, and a 16-position tile waited ~1 µs for rows already in L2.
+  // After the loop its loads overlap the merges instead (BENCHMARKS.md: +1.5% at depths 0 and
+  // 8192, +2.6% at 16384 with FP8 KV; after the merges was worse at depth 0).
+  if (mods.early_trigger)
+    pdl_enter();
+  else
+    pdl_wait();
   NIBBLE_TIMELINE_WAITED();
   const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT));
   // The new row is the business of the one warp whose tiles hold its position (the others never
@@ -584,6 +595,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
         mma_f16(s[j], qf[2 * c], kr[j][c].x, kr[j][c].y);
         mma_f16(s[j], qf[2 * c + 1], kr[j][c].z, kr[j][c].w);
       }
+    NIBBLE_TIMELINE_MARK_AT(3);  // this tile's S products issued (its K rows arrived)
     float mx[2] = {-kInf, -kInf};
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -595,6 +607,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
         mx[c / 2] = fmaxf(mx[c / 2], x);
       }
     online_softmax_tile(s, mx, row_m, row_l, o);
+    NIBBLE_TIMELINE_MARK_AT(4);  // its softmax done (S products complete)
     const uint32_t a[4] = {pack_f16x2(s[0][0], s[0][1]), pack_f16x2(s[0][2], s[0][3]), pack_f16x2(s[1][0], s[1][1]),
                            pack_f16x2(s[1][2], s[1][3])};
 #pragma unroll
@@ -604,7 +617,9 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
       auto word = [&](int i) { return reinterpret_cast<const uint32_t*>(&vr[i][u])[w]; };
       mma_f16(o[nt], a, __byte_perm(word(0), word(1), sel), __byte_perm(word(2), word(3), sel));
     }
+    NIBBLE_TIMELINE_MARK_AT(5);  // its P·V products issued (its V rows arrived)
   }
+  if (!mods.early_trigger) pdl_launch_dependents();
 
   NIBBLE_TIMELINE_MARK_AT(0);  // the loop done
   // Merge the warps: (max, sum) per row, O rows; row r of this thread is head g + 8r.

@@ -409,7 +409,8 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
   if (!attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) return false;
   if (prologue && kv.dtype == DType::F32) return false;  // the tensor-core kernel only
   const kernels::AttentionPrologue pro = prologue ? *prologue : kernels::AttentionPrologue{};
-  const kernels::AttentionMods mods{sinks, window};
+  static const bool early_trigger = std::getenv("NIBBLE_ATTN_EARLY_TRIGGER") != nullptr;
+  const kernels::AttentionMods mods{sinks, window, early_trigger};
   const int64_t group = n_head / n_head_kv;
   if (kv.dtype != DType::F32) {  // f16 or E4M3: the tensor-core kernel
     const int split = decode_tc_split(max_context);
