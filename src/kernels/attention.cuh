@@ -458,8 +458,9 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   // The successor (the o GEMV) is released only after this block's loop (below): released here,
   // its blocks' weight loads (o's 4.2 MB for Qwen3-30B-A3B) filled the memory queues while this
   // loop's K/V rows came from L2, and a 16-position tile waited ~1 µs for rows already in L2.
-  // After the loop its loads overlap the merges instead (BENCHMARKS.md: +1.5% at depths 0 and
-  // 8192, +2.6% at 16384 with FP8 KV; after the merges was worse at depth 0).
+  // After the loop its loads overlap the merges instead (BENCHMARKS.md, H100: Qwen3-30B-A3B INT4
+  // +1.8% at depth 0, +1.4% at 8192, +2.7% at 16384 with FP8 KV; after the merges was worse at
+  // depth 0).
   if (mods.early_trigger)
     pdl_enter();
   else

@@ -9,6 +9,10 @@
 // pdl_launch_dependents comes after pdl_wait. Then when a kernel starts, its predecessor's
 // predecessor has completed, so the pre-wait part may read data from two launches back (the MoE
 // down projection reads the routing that way to prefetch its experts).
+// Where the trigger goes: most kernels release their successor at their wait (pdl_enter), so its
+// weight loads start as early as possible. The tensor-core decode attention releases it after its
+// loop instead: the successor's weight loads queued ahead of the loop's L2 reads of K/V rows
+// (BENCHMARKS.md). Earlier than the wait measured worse everywhere it was tried.
 // On older GPUs both are no-ops and launches serialise as usual.
 #pragma once
 
