@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(32 * KS) gemv_dense_split_k_kernel(const void*
     if (kOnePass && SplitKRowOnePass<T, KS, kNorm>::fits(k)) {
       SplitKRowOnePass<T, KS, kNorm> one;
       one.load(w_row, bias, k, io);
-      pdl_enter();
+      pdl_enter_at<kNorm ? kPdlRouter : kPdlNoSite>();
       NIBBLE_TIMELINE_WAITED();
       one.finish(x, y, k, io);
       return;

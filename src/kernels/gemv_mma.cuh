@@ -262,7 +262,13 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   NIBBLE_TIMELINE_BLOCK(kGemvInt4);
   MmaTile<CPG, KS> tile;
   tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw);  // weights need no predecessor
-  pdl_enter();
+  // The successor is released once x is staged (q/k/v: the row's L2 reads no longer queue behind
+  // the successor's weight loads) or once the products are done (o: the router's loads then
+  // overlap only the sums and stores). With the MoE kernels' places below, +4% a Qwen3 decode
+  // step at depth 0 (BENCHMARKS.md).
+  constexpr int kSite = kNorm ? kPdlQkv : kPdlO;
+  constexpr PdlWhere kWhere = kNorm ? kPdlAfterInput : kPdlAfterProducts;
+  pdl_enter_at<kSite, kWhere>();
   NIBBLE_TIMELINE_WAITED();
   TileStore<KS, NTB> store;  // the bias and the residual, fetched before the products
   store.load(bias, y, m, n, io.accumulate, int64_t(blockIdx.x) * NTB);
@@ -271,6 +277,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
   __syncthreads();
   NIBBLE_TIMELINE_MARK();
+  pdl_trigger_at<kSite, kWhere>(kPdlAfterInput);
   if (io.staged_out && blockIdx.x == 0) {  // the staged rows for a 4-bit router's gate/up (GemvIo)
     const int units = int(k / 8);
     for (int i = threadIdx.x; i < m * units; i += blockDim.x)
@@ -279,6 +286,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   }
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, k, m), acc);
+  pdl_trigger_at<kSite, kWhere>(kPdlAfterProducts);
   __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
   const float4 d = mma_chains_sum(acc);
   if (2 * t < m) partial[nt][kw][2 * t][g] = d.x, partial[nt][kw][2 * t][g + 8] = d.z;
@@ -346,7 +354,9 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
     mma_stage_x_normed(xr, int(hidden), eps, xs, int(mma_x_stride(hidden)));
   }
   NIBBLE_TIMELINE_MARK_AT(0);  // x staged (without xn), before the wait
-  pdl_enter();  // the experts come from the router, the previous kernel
+  // The experts come from the router, the previous kernel. Down is released once the row is in
+  // shared memory, so its weight loads do not queue ahead of the routing's logit reads.
+  pdl_enter_at<kPdlGateUp, kPdlAfterInput>();
   NIBBLE_TIMELINE_WAITED();
   constexpr int kXnUnits = 2;  // 16-byte units a thread in the first pass
   const int xn_units = int(hidden / 8);
@@ -378,12 +388,14 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
   }
   __syncthreads();  // the tables and the staged row
   NIBBLE_TIMELINE_MARK_AT(2);  // the row in shared memory, before the first weight load
+  pdl_trigger_at<kPdlGateUp, kPdlAfterInput>(kPdlAfterInput);
   const int32_t e = logits ? s_expert : ids[slot];
   const Int4Weight w = logits ? (h ? up : gate)[e] : tables[h * n_experts + e];
   MmaTile<CPG, KS> tile;
   tile.start(w, tile0, inter, hidden, kw);
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, hidden, 1), acc);
+  pdl_trigger_at<kPdlGateUp, kPdlAfterInput>(kPdlAfterProducts);
   NIBBLE_TIMELINE_MARK_AT(3);  // warp 0's products done
   __shared__ float partial[2][KS][16];
   const float4 d = mma_chains_sum(acc);
@@ -441,15 +453,17 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   // The residual this adds to was last written before the router, two launches back.
   const bool mine = threadIdx.x < 16 && tile0 + threadIdx.x < hidden;
   const float prev = accumulate && mine ? out[tok * hidden + tile0 + threadIdx.x] : 0.f;
-  pdl_enter();
+  pdl_enter_at<kPdlDown, kPdlAfterInput>();  // the next q/k/v's weight loads after the act copy
   NIBBLE_TIMELINE_WAITED();
   // The slots' activation rows are already f16 in mma order: 16-byte copies.
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   copy_staged_rows(act + tok * top_k * inter, int(top_k), inter, mma_x_stride(inter), xs);
   __syncthreads();
   NIBBLE_TIMELINE_MARK();
+  pdl_trigger_at<kPdlDown, kPdlAfterInput>(kPdlAfterInput);
   float acc[kMmaChains][4] = {};
   if (s < top_k) tile.finish(wd, mma_x_units(xs + s * mma_x_stride(inter), inter, 1), acc);
+  pdl_trigger_at<kPdlDown, kPdlAfterInput>(kPdlAfterProducts);
   __shared__ float partial[kMoeDownSlots][16];
   const float4 d = mma_chains_sum(acc);
   if (t == 0 && s < top_k) partial[s][g] = d.x, partial[s][g + 8] = d.z;

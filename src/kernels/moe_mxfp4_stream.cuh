@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
   pdl_wait();
   routing.load(g_ids, nullptr, logits, n_experts, false, slots / top_k, top_k);
   const int32_t* ids = routing.ids;
-  mxfp4_stream<W, false, false>(
+  mxfp4_stream<W, false, false, kPdlGateUp>(
       slots * tiles, 1, hidden, stages,
       [&](int64_t it, int) {
         const Mxfp4Device d = gate_up[ids[it / tiles]];
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_down_strea
   NIBBLE_TIMELINE_MARK_AT(0);  // the routing in shared memory (this warp's part), before the first copies
   const int32_t* ids = routing.ids;
   const float* weights = routing.weights;
-  mxfp4_stream<W, true, true>(
+  mxfp4_stream<W, true, true, kPdlDown>(
       m * tiles, int(top_k), inter, stages,
       [&](int64_t it, int l) {
         const Mxfp4Device d = down[ids[it / tiles * top_k + l]];

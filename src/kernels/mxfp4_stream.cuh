@@ -124,8 +124,8 @@ struct Mxfp4NoPrologue {
 //                                         issued (kEarly), before any consumer reads a stage: what
 //                                         the block stages from its predecessor, e.g. a normalised x;
 //                                         it may synchronise the block)
-template <int W, bool kEarly, bool kGlobalX, typename Source, typename Input, typename Epilogue,
-          typename AfterWait = Mxfp4NoPrologue>
+template <int W, bool kEarly, bool kGlobalX, int kSite = kPdlNoSite, typename Source, typename Input,
+          typename Epilogue, typename AfterWait = Mxfp4NoPrologue>
 __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, int stages, Source&& source,
                                              Input&& input, Epilogue&& epilogue, AfterWait&& after_wait = {}) {
   constexpr bool kPrologue = !std::is_same_v<std::decay_t<AfterWait>, Mxfp4NoPrologue>;
@@ -165,10 +165,10 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
       copy_tile(int(j % stages), source(blockIdx.x + j / L * gridDim.x, int(j % L)), policy);
     };
     const int64_t early = total < stages ? total : stages;
-    if (!kEarly) pdl_enter();
+    if (!kEarly) pdl_enter_at<kSite>();
     if (warp == W)
       for (int64_t j = 0; j < early; ++j) issue(j);
-    if (kEarly) pdl_enter();
+    if (kEarly) pdl_enter_at<kSite>();
     after_wait();
     __syncthreads();  // what after_wait staged
     if (warp == W) {
@@ -180,20 +180,20 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
     }
   } else if (warp == W) {  // producer
     const uint64_t policy = l2_evict_first_policy();
-    if (!kEarly) pdl_enter();
+    if (!kEarly) pdl_enter_at<kSite>();
     int64_t j = 0;
     for (int64_t it = blockIdx.x; it < items; it += gridDim.x)
       for (int l = 0; l < L; ++l, ++j) {
         const int s = int(j % stages);
-        if (kEarly && j == stages) pdl_enter();
+        if (kEarly && j == stages) pdl_enter_at<kSite>();
         if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
         copy_tile(s, source(it, l), policy);
       }
-    if (kEarly && total <= stages) pdl_enter();
+    if (kEarly && total <= stages) pdl_enter_at<kSite>();
     return;
   }
 
-  if constexpr (!kPrologue) pdl_enter();
+  if constexpr (!kPrologue) pdl_enter_at<kSite>();
   const int g = lane / 4, t = lane % 4;
   int64_t j = 0, n = 0;
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x, ++n) {
@@ -222,6 +222,7 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
       epilogue(it, partial);
     }
   }
+  pdl_trigger_at<kSite>(kPdlAfterProducts);
 }
 
 

@@ -9,10 +9,13 @@
 // pdl_launch_dependents comes after pdl_wait. Then when a kernel starts, its predecessor's
 // predecessor has completed, so the pre-wait part may read data from two launches back (the MoE
 // down projection reads the routing that way to prefetch its experts).
-// Where the trigger goes: most kernels release their successor at their wait (pdl_enter), so its
-// weight loads start as early as possible. The tensor-core decode attention releases it after its
-// loop instead: the successor's weight loads queued ahead of the loop's L2 reads of K/V rows
-// (BENCHMARKS.md). Earlier than the wait measured worse everywhere it was tried.
+// Where the trigger goes: as soon as the kernel's own critical L2 reads are done, not sooner. Once
+// released, the successor's blocks issue their weight loads, and a read on this kernel's critical
+// path then queues behind them. So the decode GEMVs release it after staging their input row (the
+// INT4 o projection after its products), the INT4 MoE down after copying its activations, the
+// tensor-core decode attention after its loop; kernels whose successors load little before their
+// wait release it at the wait (pdl_enter). Every place was measured (BENCHMARKS.md); earlier than
+// the wait measured worse everywhere it was tried, and so did the end of the MXFP4 MoE kernels.
 // On older GPUs both are no-ops and launches serialise as usual.
 #pragma once
 
@@ -34,6 +37,34 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 __device__ __forceinline__ void pdl_enter() {
   pdl_wait();
   pdl_launch_dependents();
+}
+
+// Where a decode kernel releases its successor. Each kernel names its site and its default place;
+// NIBBLE_PDL_TRIGGER (cuda::pdl_trigger_from_env, for A/B runs) may override a site's place: three
+// bits a site, 0 for no override, else the place + 1.
+enum PdlSite : int { kPdlQkv = 0, kPdlO = 1, kPdlRouter = 2, kPdlGateUp = 3, kPdlDown = 4, kPdlNoSite = -1 };
+enum PdlWhere : unsigned {
+  kPdlAtWait = 0,         // as soon as the block passes its wait
+  kPdlAfterInput = 1,     // once the block has staged its input (the activations it reads from L2)
+  kPdlAfterProducts = 2,  // once its products are done, before it reduces and stores them
+  kPdlAtExit = 3,         // not at all: the successor starts as the block exits
+};
+static __constant__ unsigned g_pdl_trigger = 0;
+
+template <int kSite, PdlWhere kDefault = kPdlAtWait>
+__device__ __forceinline__ void pdl_trigger_at(PdlWhere where) {
+  if constexpr (kSite < 0) {
+    if (where == kDefault) pdl_launch_dependents();
+  } else {
+    const unsigned o = (g_pdl_trigger >> (3 * kSite)) & 7u;
+    if ((o ? o - 1 : unsigned(kDefault)) == where) pdl_launch_dependents();
+  }
+}
+
+template <int kSite, PdlWhere kDefault = kPdlAtWait>
+__device__ __forceinline__ void pdl_enter_at() {
+  pdl_wait();
+  pdl_trigger_at<kSite, kDefault>(kPdlAtWait);
 }
 
 // Fire-and-forget fetch of the 128-byte line holding p into L2.

@@ -114,6 +114,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemset(route_counter_.data(), 0, sizeof(unsigned)));
     attention_counters_ = Buffer(*this, cuda::kAttentionMaxPairs * sizeof(unsigned));
     CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, cuda::kAttentionMaxPairs * sizeof(unsigned)));
+    std::string why_not;
+    NIBBLE_CHECK(cuda::pdl_trigger_from_env(&why_not), "{}", why_not);
     // NIBBLE_TIMELINE=<file>: the in-kernel timeline of the newest 2M blocks, written at exit
     // (builds configured with -DNIBBLE_TIMELINE=ON; tools/timeline.py reads it).
     if (const char* path = std::getenv("NIBBLE_TIMELINE")) {

@@ -5,6 +5,9 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <string>
 #include <vector>
 #include <type_traits>
 #include <unordered_map>
@@ -786,6 +789,31 @@ void scatter_add_weighted(const float* src, const int32_t* rows, const float* ro
                           int64_t n_rows, int64_t dim, float* dst) {
   kernels::scatter_add_weighted_kernel<<<blocks_for(n_rows * dim, 256), 256>>>(src, rows, row_weights,
                                                                                n_rows, dim, dst);
+}
+
+bool pdl_trigger_from_env(std::string* why_not) {
+  const char* env = std::getenv("NIBBLE_PDL_TRIGGER");
+  if (env == nullptr || *env == 0) return true;
+  static constexpr const char* kSites[] = {"qkv", "o", "router", "up", "down"};
+  unsigned value = 0;
+  std::string spec(env);
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    const size_t end = std::min(spec.find(',', pos), spec.size());
+    const std::string item = spec.substr(pos, end - pos);
+    const size_t eq = item.find('=');
+    int site = -1;
+    for (int i = 0; i < int(std::size(kSites)); ++i)
+      if (eq != std::string::npos && item.compare(0, eq, kSites[i]) == 0 && eq == std::strlen(kSites[i])) site = i;
+    if (site < 0 || eq + 2 != item.size() || item[eq + 1] < '0' || item[eq + 1] > '3') {
+      *why_not = "NIBBLE_PDL_TRIGGER: '" + item + "' is not site=0..3 (sites qkv, o, router, up, down)";
+      return false;
+    }
+    value |= unsigned(item[eq + 1] - '0' + 1) << (3 * site);
+    pos = end + 1;
+  }
+  return cudaMemcpyToSymbol(kernels::g_pdl_trigger, &value, sizeof(value)) == cudaSuccess ||
+         (*why_not = "NIBBLE_PDL_TRIGGER: could not set the device symbol", false);
 }
 
 #ifdef NIBBLE_TIMELINE
