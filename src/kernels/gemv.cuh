@@ -290,7 +290,7 @@ struct SplitKRowOnePass {
     for (int i = 0; i < kSplitKVecs; ++i) {
       const int64_t v = threadIdx.x + int64_t(i) * 32 * KS;
       if (v >= k / V) break;
-      wv[i] = __ldg(reinterpret_cast<const uint4*>(w_row) + v);
+      wv[i] = __ldcs(reinterpret_cast<const uint4*>(w_row) + v);  // evict-first: read once a step
       if constexpr (kNorm)
 #pragma unroll
         for (int j = 0; j < V / 4; ++j) g[i][j] = __ldg(reinterpret_cast<const float4*>(io.norm + v * V) + j);

@@ -116,7 +116,8 @@ struct DenseMmaTile {
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       const int64_t k0 = (b * U + i) * 32 + 8 * t;
-      w[i] = k0 < k ? __ldg(reinterpret_cast<const uint4*>(row + k0)) : make_uint4(0u, 0u, 0u, 0u);
+      // Evict-first, as the 4-bit weights (gemv_mma.cuh): read once a step.
+      w[i] = k0 < k ? __ldcs(reinterpret_cast<const uint4*>(row + k0)) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
 

@@ -73,7 +73,10 @@ __device__ __forceinline__ void with_words(int words, F&& f) {
   }
 }
 
-// Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0] and rows[1].
+// Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0] and rows[1]. The codes are
+// read once a step: they are loaded evict-first (ld.global.cs), so that the K/V rows decode
+// attention prefetched stay in L2 (Qwen3 INT4 at depth 8192 +7%, BENCHMARKS.md). Not the scales:
+// the warps of a row share their 32-byte sectors, which evict-first lost between them (−2% at 8192).
 template <int CPG, int WORDS>
 __device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int64_t (&rows)[2], int64_t k,
                                                  int64_t q, MmaWeights<CPG>& mw) {
@@ -86,12 +89,12 @@ __device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int6
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if constexpr (WORDS == 4) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(base) + t + 4 * i);
+        const uint4 v = __ldcs(reinterpret_cast<const uint4*>(base) + t + 4 * i);
         mw.w[h][i][0] = v.x, mw.w[h][i][1] = v.y, mw.w[h][i][2] = v.z, mw.w[h][i][3] = v.w;
       } else {  // a last partial group: [lane][WORDS]
 #pragma unroll
         for (int cc = 0; cc < WORDS; ++cc)
-          mw.w[h][i][cc] = __ldg(reinterpret_cast<const uint32_t*>(base) + (t + 4 * i) * WORDS + cc);
+          mw.w[h][i][cc] = __ldcs(reinterpret_cast<const uint32_t*>(base) + (t + 4 * i) * WORDS + cc);
       }
     }
     const __half* scales = w.scales + rows[h] * w.n_groups;

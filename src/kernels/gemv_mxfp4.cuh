@@ -57,14 +57,14 @@ __device__ __forceinline__ void mxfp4_group_load(const uint8_t* const (&row_code
   for (int h = 0; h < 2; ++h) {
     const uint8_t* base = row_codes[h] + 64 * q;
     if (whole) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(base) + t);
+      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(base) + t);  // evict-first, as gemv_mma.cuh
       gr.w[h][0] = v.x, gr.w[h][1] = v.y, gr.w[h][2] = v.z, gr.w[h][3] = v.w;
     } else {
       const int r = mxfp4_group_blocks(k, q);
 #pragma unroll
-      for (int b = 0; b < 4; ++b) gr.w[h][b] = b < r ? __ldg(reinterpret_cast<const uint32_t*>(base) + r * t + b) : 0u;
+      for (int b = 0; b < 4; ++b) gr.w[h][b] = b < r ? __ldcs(reinterpret_cast<const uint32_t*>(base) + r * t + b) : 0u;
     }
-    gr.s[h] = __ldg(row_scales[h] + q);
+    gr.s[h] = __ldcs(row_scales[h] + q);
   }
 }
 

@@ -67,7 +67,7 @@ struct RouterRow {
 #pragma unroll
     for (int i = 0; i < kRouterVecs; ++i) {
       const int64_t k0 = int64_t(V) * (lane + 32 * i);
-      if (valid && k0 < hidden) wr[i] = __ldg(reinterpret_cast<const uint4*>(wrow + k0 * kElem));
+      if (valid && k0 < hidden) wr[i] = __ldcs(reinterpret_cast<const uint4*>(wrow + k0 * kElem));  // evict-first
     }
   }
 
