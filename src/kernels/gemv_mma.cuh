@@ -73,11 +73,14 @@ __device__ __forceinline__ void with_words(int words, F&& f) {
   }
 }
 
-// Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0] and rows[1]. The codes are
-// read once a step: they are loaded evict-first (ld.global.cs), so that the K/V rows decode
-// attention prefetched stay in L2 (Qwen3 INT4 at depth 8192 +7%, BENCHMARKS.md). Not the scales:
-// the warps of a row share their 32-byte sectors, which evict-first lost between them (−2% at 8192).
-template <int CPG, int WORDS>
+// Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0] and rows[1]. When the codes
+// are read once a step (`once`: a GEMV, or the experts of a single token), they are loaded
+// evict-first (ld.global.cs), so that the K/V rows decode attention prefetched stay in L2 (Qwen3
+// INT4 at depth 8192 +7%, BENCHMARKS.md); the experts of a batch, which several tokens may share,
+// are not (evict-first cost 3% at batch 8). A compile-time choice: chosen at run time, the two
+// loads cost 3.6% at batch 1. Nor the scales: the warps of a row share their 32-byte sectors, which
+// evict-first lost between them (−2% at depth 8192).
+template <int CPG, int WORDS, bool kOnce>
 __device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int64_t (&rows)[2], int64_t k,
                                                  int64_t q, MmaWeights<CPG>& mw) {
   const int t = threadIdx.x % 4;
@@ -89,12 +92,16 @@ __device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int6
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if constexpr (WORDS == 4) {
-        const uint4 v = __ldcs(reinterpret_cast<const uint4*>(base) + t + 4 * i);
+        const uint4* p = reinterpret_cast<const uint4*>(base) + t + 4 * i;
+        const uint4 v = kOnce ? __ldcs(p) : __ldg(p);
         mw.w[h][i][0] = v.x, mw.w[h][i][1] = v.y, mw.w[h][i][2] = v.z, mw.w[h][i][3] = v.w;
       } else {  // a last partial group: [lane][WORDS]
 #pragma unroll
         for (int cc = 0; cc < WORDS; ++cc)
-          mw.w[h][i][cc] = __ldcs(reinterpret_cast<const uint32_t*>(base) + (t + 4 * i) * WORDS + cc);
+        {
+          const uint32_t* p = reinterpret_cast<const uint32_t*>(base) + (t + 4 * i) * WORDS + cc;
+          mw.w[h][i][cc] = kOnce ? __ldcs(p) : __ldg(p);
+        }
       }
     }
     const __half* scales = w.scales + rows[h] * w.n_groups;
@@ -156,8 +163,9 @@ __device__ __forceinline__ float4 mma_chains_sum(const float (&acc)[kMmaChains][
 
 // A warp's whole share of one tile: groups kw, kw + KS, ... of rows (tile0 + g, tile0 + g + 8)
 // (clamped to n - 1: rows past n are read but never stored). The first group's loads are issued by
-// `start` (before pdl_wait), the rest and the products by `finish`.
-template <int CPG, int KS>
+// `start` (before pdl_wait), the rest and the products by `finish`. kOnce: the weights are read
+// once a step (mma_weights_load).
+template <int CPG, int KS, bool kOnce = true>
 struct MmaTile {
   MmaWeights<CPG> mw;
   int64_t rows[2];
@@ -169,13 +177,13 @@ struct MmaTile {
     k = k_, kw = kw_, quads = (k / 256 + 3) / 4;
     rows[0] = tile0 + g < n ? tile0 + g : n - 1;
     rows[1] = tile0 + g + 8 < n ? tile0 + g + 8 : n - 1;
-    if (kw < quads) with_words(mma_group_words(k, kw), [&](auto W) { mma_weights_load<CPG, W.value>(w, rows, k, kw, mw); });
+    if (kw < quads) with_words(mma_group_words(k, kw), [&](auto W) { mma_weights_load<CPG, W.value, kOnce>(w, rows, k, kw, mw); });
   }
 
   __device__ __forceinline__ void finish(const Int4Weight& w, const uint2* xb, float (&acc)[kMmaChains][4]) {
     for (int64_t q = kw; q < quads; q += KS)
       with_words(mma_group_words(k, q), [&](auto W) {
-        if (q != kw) mma_weights_load<CPG, W.value>(w, rows, k, q, mw);
+        if (q != kw) mma_weights_load<CPG, W.value, kOnce>(w, rows, k, q, mw);
         mma_group_dot<CPG, W.value>(mw, q, xb, acc);
       });
   }
@@ -314,7 +322,8 @@ __host__ __device__ constexpr int64_t moe_gate_up_smem_bytes(int64_t hidden, int
   return moe_gate_up_tables_offset(hidden) + 2 * n_experts * int64_t(sizeof(Int4Weight));
 }
 
-template <int CPG, bool kNorm, int KS>
+// kOnce: one token (m = 1), so each expert is read once (mma_weights_load).
+template <int CPG, bool kNorm, int KS, bool kOnce>
 __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
     const Int4Weight* __restrict__ gate, const Int4Weight* __restrict__ up, int64_t n_experts,
     const int32_t* __restrict__ ids, const float* __restrict__ logits, const __half* __restrict__ xn,
@@ -394,7 +403,7 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
   pdl_trigger_at<kPdlGateUp, kPdlAfterInput>(kPdlAfterInput);
   const int32_t e = logits ? s_expert : ids[slot];
   const Int4Weight w = logits ? (h ? up : gate)[e] : tables[h * n_experts + e];
-  MmaTile<CPG, KS> tile;
+  MmaTile<CPG, KS, kOnce> tile;
   tile.start(w, tile0, inter, hidden, kw);
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, hidden, 1), acc);
@@ -421,7 +430,7 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
 // the router).
 constexpr int kMoeDownSlots = 8;
 
-template <int CPG>
+template <int CPG, bool kOnce>
 __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
     const Int4Weight* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
     const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
@@ -435,7 +444,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   // the top k the softmax's full sum cancels, otherwise warp 0 makes it).
   __shared__ float s_logit[kMoeDownSlots], s_sum;
   const float* tok_logits = logits ? logits + (blockIdx.x % replicas) * replica_stride + tok * n_experts : nullptr;
-  MmaTile<CPG, 1> tile;
+  MmaTile<CPG, 1, kOnce> tile;
   Int4Weight wd{};
   if (s < top_k) {
     int32_t e;

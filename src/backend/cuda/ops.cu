@@ -360,26 +360,39 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
     dispatch_mma_split(hidden, [&](auto KS, auto) {
       const dim3 grid(unsigned((inter + 15) / 16), unsigned(m * top_k));
       const size_t smem = size_t(kernels::moe_gate_up_smem_bytes(hidden, n_experts));
-      auto gate_up = [&](auto kNorm) {
-        const auto kernel = kernels::moe_gate_up_int4_mma_kernel<CPG.value, kNorm.value, KS.value>;
+      auto gate_up = [&](auto kNorm, auto kOnce) {
+        const auto kernel = kernels::moe_gate_up_int4_mma_kernel<CPG.value, kNorm.value, KS.value, kOnce.value>;
         allow_smem(kernel, smem);
         launch_pdl_smem(kernel, grid, 64 * KS.value, smem, g, u, n_experts, routing.ids, routing.logits,
                         static_cast<const __half*>(routing.xn), x, act_h, top_k, inter, hidden, norm, eps,
                         routing.logit_replicas, routing.replica_stride);
       };
-      if (norm)
-        gate_up(std::true_type{});
+      // One token reads each expert once (evict-first loads); a batch's tokens may share them.
+      auto with_norm = [&](auto kOnce) {
+        if (norm)
+          gate_up(std::true_type{}, kOnce);
+        else
+          gate_up(std::false_type{}, kOnce);
+      };
+      if (m == 1)
+        with_norm(std::true_type{});
       else
-        gate_up(std::false_type{});
+        with_norm(std::false_type{});
     });
     // Down: one 16-row tile per block, one warp per slot (128 blocks of 8 warps for hidden 2048).
     const dim3 grid(unsigned((hidden + 15) / 16), unsigned(m));
     const size_t smem = size_t(kernels::mma_x_bytes(top_k, inter));
-    const auto kernel = kernels::moe_down_int4_mma_kernel<CPG.value>;
-    allow_smem(kernel, smem);
-    launch_pdl_smem(kernel, grid, 32 * kernels::kMoeDownSlots, smem, d, routing.ids, routing.weights, routing.logits,
-                    n_experts, routing.normalize, act_h, out, top_k, inter, hidden, accumulate, routing.logit_replicas,
-                    routing.replica_stride);
+    auto down = [&](auto kOnce) {
+      const auto kernel = kernels::moe_down_int4_mma_kernel<CPG.value, kOnce.value>;
+      allow_smem(kernel, smem);
+      launch_pdl_smem(kernel, grid, 32 * kernels::kMoeDownSlots, smem, d, routing.ids, routing.weights,
+                      routing.logits, n_experts, routing.normalize, act_h, out, top_k, inter, hidden, accumulate,
+                      routing.logit_replicas, routing.replica_stride);
+    };
+    if (m == 1)
+      down(std::true_type{});
+    else
+      down(std::false_type{});
   });
 }
 
