@@ -273,12 +273,11 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   NIBBLE_TIMELINE_BLOCK(kGemvInt4);
   MmaTile<CPG, KS> tile;
   tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw);  // weights need no predecessor
-  // The successor is released once x is staged (q/k/v: the row's L2 reads no longer queue behind
-  // the successor's weight loads) or once the products are done (o: the router's loads then
-  // overlap only the sums and stores). With the MoE kernels' places below, +4% a Qwen3 decode
-  // step at depth 0 (BENCHMARKS.md).
+  // The successor is released once x is staged, so the row's L2 reads do not queue behind the
+  // successor's weight loads. With the MoE kernels' places below, +6% a Qwen3 decode step at
+  // depth 0 (BENCHMARKS.md).
   constexpr int kSite = kNorm ? kPdlQkv : kPdlO;
-  constexpr PdlWhere kWhere = kNorm ? kPdlAfterInput : kPdlAfterProducts;
+  constexpr PdlWhere kWhere = kPdlAfterInput;
   pdl_enter_at<kSite, kWhere>();
   NIBBLE_TIMELINE_WAITED();
   TileStore<KS, NTB> store;  // the bias and the residual, fetched before the products

@@ -11,10 +11,10 @@
 // down projection reads the routing that way to prefetch its experts).
 // Where the trigger goes: as soon as the kernel's own critical L2 reads are done, not sooner. Once
 // released, the successor's blocks issue their weight loads, and a read on this kernel's critical
-// path then queues behind them. So the decode GEMVs release it after staging their input row (the
-// INT4 o projection after its products), the INT4 MoE gate/up after its routing and row, the INT4
-// MoE down after copying its activations, the tensor-core decode attention after its loop; the
-// routers and the MXFP4 expert stream release it at the wait (pdl_enter / pdl_enter_at). Every place was measured (BENCHMARKS.md); earlier than
+// path then queues behind them. So the decode GEMVs release it after staging their input row, the
+// INT4 MoE gate/up after its routing and row, the INT4 MoE down after copying its activations, the
+// Qwen3 router after its products, the tensor-core decode attention after its loop; gpt-oss's
+// router and the MXFP4 expert stream release it at the wait (pdl_enter / pdl_enter_at). Every place was measured (BENCHMARKS.md); earlier than
 // the wait measured worse everywhere it was tried, and so did the end of the MXFP4 MoE kernels.
 // On older GPUs both are no-ops and launches serialise as usual.
 #pragma once
