@@ -74,7 +74,7 @@ __device__ __forceinline__ void with_words(int words, F&& f) {
 }
 
 // Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0] and rows[1]. When the codes
-// are read once a step (`once`: a GEMV, or the experts of a single token), they are loaded
+// are read once a step (kOnce: a GEMV, or the experts of a single token), they are loaded
 // evict-first (ld.global.cs), so that the K/V rows decode attention prefetched stay in L2 (Qwen3
 // INT4 at depth 8192 +7%, BENCHMARKS.md); the experts of a batch, which several tokens may share,
 // are not (evict-first cost 3% at batch 8). A compile-time choice: chosen at run time, the two
@@ -97,8 +97,7 @@ __device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int6
         mw.w[h][i][0] = v.x, mw.w[h][i][1] = v.y, mw.w[h][i][2] = v.z, mw.w[h][i][3] = v.w;
       } else {  // a last partial group: [lane][WORDS]
 #pragma unroll
-        for (int cc = 0; cc < WORDS; ++cc)
-        {
+        for (int cc = 0; cc < WORDS; ++cc) {
           const uint32_t* p = reinterpret_cast<const uint32_t*>(base) + (t + 4 * i) * WORDS + cc;
           mw.w[h][i][cc] = kOnce ? __ldcs(p) : __ldg(p);
         }
@@ -277,8 +276,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   // successor's weight loads. With the MoE kernels' places below, +6% a Qwen3 decode step at
   // depth 0 (BENCHMARKS.md).
   constexpr int kSite = kNorm ? kPdlQkv : kPdlO;
-  constexpr PdlWhere kWhere = kPdlAfterInput;
-  pdl_enter_at<kSite, kWhere>();
+  pdl_enter_at<kSite, kPdlAfterInput>();
   NIBBLE_TIMELINE_WAITED();
   TileStore<KS, NTB> store;  // the bias and the residual, fetched before the products
   store.load(bias, y, m, n, io.accumulate, int64_t(blockIdx.x) * NTB);
@@ -287,7 +285,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
   __syncthreads();
   NIBBLE_TIMELINE_MARK();
-  pdl_trigger_at<kSite, kWhere>(kPdlAfterInput);
+  pdl_trigger_at<kSite, kPdlAfterInput>(kPdlAfterInput);
   if (io.staged_out && blockIdx.x == 0) {  // the staged rows for a 4-bit router's gate/up (GemvIo)
     const int units = int(k / 8);
     for (int i = threadIdx.x; i < m * units; i += blockDim.x)
@@ -296,7 +294,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   }
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, k, m), acc);
-  pdl_trigger_at<kSite, kWhere>(kPdlAfterProducts);
+  pdl_trigger_at<kSite, kPdlAfterInput>(kPdlAfterProducts);
   __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
   const float4 d = mma_chains_sum(acc);
   if (2 * t < m) partial[nt][kw][2 * t][g] = d.x, partial[nt][kw][2 * t][g + 8] = d.z;
