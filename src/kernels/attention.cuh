@@ -26,9 +26,6 @@ constexpr int64_t kAttentionMaxHeadDim = 256;
 struct AttentionMods {
   const float* sinks = nullptr;
   int64_t window = 0;
-  // The PDL trigger at the wait instead of after the loop (NIBBLE_ATTN_EARLY_TRIGGER=1, for A/B
-  // runs; the tensor-core decode kernel only).
-  bool early_trigger = false;
 };
 // The first position a query at n_ctx - 1 sees.
 __device__ __forceinline__ int64_t window_first(int64_t n_ctx, int64_t window) {
@@ -461,10 +458,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   // After the loop its loads overlap the merges instead (BENCHMARKS.md, H100: Qwen3-30B-A3B INT4
   // +1.8% at depth 0, +1.4% at 8192, +2.7% at 16384 with FP8 KV; after the merges was worse at
   // depth 0).
-  if (mods.early_trigger)
-    pdl_enter();
-  else
-    pdl_wait();
+  pdl_enter_at<kPdlAttention, kPdlAfterProducts>();
   NIBBLE_TIMELINE_WAITED();
   const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT));
   // The new row is the business of the one warp whose tiles hold its position (the others never
@@ -620,7 +614,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     }
     NIBBLE_TIMELINE_MARK_AT(5);  // its P·V products issued (its V rows arrived)
   }
-  if (!mods.early_trigger) pdl_launch_dependents();
+  pdl_trigger_at<kPdlAttention, kPdlAfterProducts>(kPdlAfterProducts);
 
   NIBBLE_TIMELINE_MARK_AT(0);  // the loop done
   // Merge the warps: (max, sum) per row, O rows; row r of this thread is head g + 8r.

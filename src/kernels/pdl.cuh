@@ -13,12 +13,15 @@
 // released, the successor's blocks issue their weight loads, and a read on this kernel's critical
 // path then queues behind them. So the decode GEMVs release it after staging their input row, the
 // INT4 MoE gate/up after its routing and row, the INT4 MoE down after copying its activations, the
-// Qwen3 router after its products, the tensor-core decode attention after its loop; gpt-oss's
+// Qwen3 router after its products, the tensor-core decode attention after its loop (its
+// "products"); gpt-oss's
 // router and the MXFP4 expert stream release it at the wait (pdl_enter / pdl_enter_at). Every
 // place was measured (BENCHMARKS.md); earlier than the wait measured worse everywhere it was
 // tried, and so did the end of the MXFP4 MoE kernels.
 // On older GPUs both are no-ops and launches serialise as usual.
 #pragma once
+
+#include "kernels/pdl_sites.h"
 
 namespace nibble::kernels {
 
@@ -40,16 +43,9 @@ __device__ __forceinline__ void pdl_enter() {
   pdl_launch_dependents();
 }
 
-// Where a decode kernel releases its successor. Each kernel names its site and its default place;
-// NIBBLE_PDL_TRIGGER (cuda::pdl_trigger_from_env, for A/B runs) may override a site's place: three
-// bits a site, 0 for no override, else the place + 1.
-enum PdlSite : int { kPdlQkv = 0, kPdlO = 1, kPdlRouter = 2, kPdlGateUp = 3, kPdlDown = 4, kPdlNoSite = -1 };
-enum PdlWhere : unsigned {
-  kPdlAtWait = 0,         // as soon as the block passes its wait
-  kPdlAfterInput = 1,     // once the block has staged its input (the activations it reads from L2)
-  kPdlAfterProducts = 2,  // once its products are done, before it reduces and stores them
-  kPdlAtExit = 3,         // not at all: the successor starts as the block exits
-};
+// Where a decode kernel releases its successor. Each kernel names its site and its default place
+// (kernels/pdl_sites.h); NIBBLE_PDL_TRIGGER (backend/pdl_trigger.h, for A/B runs) may override a
+// site's place: three bits a site, 0 for no override, else the place + 1.
 static __constant__ unsigned g_pdl_trigger = 0;
 
 template <int kSite, PdlWhere kDefault = kPdlAtWait>

@@ -22,6 +22,7 @@
 #include "backend/cuda/int4_layout.h"
 #include "backend/cuda/kernel_trace.h"
 #include "backend/cuda/launch.h"
+#include "backend/pdl_trigger.h"
 #include "core/status.h"
 
 #include <fmt/format.h>
@@ -114,8 +115,12 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemset(route_counter_.data(), 0, sizeof(unsigned)));
     attention_counters_ = Buffer(*this, cuda::kAttentionMaxPairs * sizeof(unsigned));
     CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, cuda::kAttentionMaxPairs * sizeof(unsigned)));
-    std::string why_not;
-    NIBBLE_CHECK(cuda::pdl_trigger_from_env(&why_not), "{}", why_not);
+    if (const char* spec = std::getenv("NIBBLE_PDL_TRIGGER")) {  // for A/B runs (backend/pdl_trigger.h)
+      uint32_t bits = 0;
+      std::string why_not;
+      NIBBLE_CHECK(parse_pdl_trigger(spec, &bits, &why_not), "{}", why_not);
+      NIBBLE_CHECK(cuda::pdl_trigger_set(bits), "NIBBLE_PDL_TRIGGER: could not set the device symbol");
+    }
     // NIBBLE_TIMELINE=<file>: the in-kernel timeline of the newest 2M blocks, written at exit
     // (builds configured with -DNIBBLE_TIMELINE=ON; tools/timeline.py reads it).
     if (const char* path = std::getenv("NIBBLE_TIMELINE")) {

@@ -191,10 +191,7 @@ void scatter_add_weighted(const float* src, const int32_t* rows, const float* ro
 bool timeline_start(int64_t capacity, std::string* why_not);
 bool timeline_dump(const std::string& path, std::string* why_not);
 
-// NIBBLE_PDL_TRIGGER=site=where,... (sites qkv, o, router, up, down; where 0 at the wait, 1 after
-// the block's input is staged, 2 after its products, 3 at exit; kernels/pdl.cuh): where the decode
-// kernels release their successors, overriding each kernel's own place, for A/B runs (a kernel
-// without the place named releases at its exit). Returns false with the reason on a malformed value.
-bool pdl_trigger_from_env(std::string* why_not);
+// Sets the decode kernels' PDL trigger override (backend/pdl_trigger.h's bits); false on failure.
+bool pdl_trigger_set(uint32_t bits);
 
 }  // namespace nibble::cuda

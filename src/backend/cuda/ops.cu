@@ -5,9 +5,6 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <iterator>
-#include <string>
 #include <vector>
 #include <type_traits>
 #include <unordered_map>
@@ -425,8 +422,7 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
   if (!attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) return false;
   if (prologue && kv.dtype == DType::F32) return false;  // the tensor-core kernel only
   const kernels::AttentionPrologue pro = prologue ? *prologue : kernels::AttentionPrologue{};
-  static const bool early_trigger = std::getenv("NIBBLE_ATTN_EARLY_TRIGGER") != nullptr;
-  const kernels::AttentionMods mods{sinks, window, early_trigger};
+  const kernels::AttentionMods mods{sinks, window};
   const int64_t group = n_head / n_head_kv;
   if (kv.dtype != DType::F32) {  // f16 or E4M3: the tensor-core kernel
     const int split = decode_tc_split(max_context);
@@ -804,29 +800,8 @@ void scatter_add_weighted(const float* src, const int32_t* rows, const float* ro
                                                                                n_rows, dim, dst);
 }
 
-bool pdl_trigger_from_env(std::string* why_not) {
-  const char* env = std::getenv("NIBBLE_PDL_TRIGGER");
-  if (env == nullptr || *env == 0) return true;
-  static constexpr const char* kSites[] = {"qkv", "o", "router", "up", "down"};
-  unsigned value = 0;
-  std::string spec(env);
-  size_t pos = 0;
-  while (pos <= spec.size()) {
-    const size_t end = std::min(spec.find(',', pos), spec.size());
-    const std::string item = spec.substr(pos, end - pos);
-    const size_t eq = item.find('=');
-    int site = -1;
-    for (int i = 0; i < int(std::size(kSites)); ++i)
-      if (eq != std::string::npos && item.compare(0, eq, kSites[i]) == 0 && eq == std::strlen(kSites[i])) site = i;
-    if (site < 0 || eq + 2 != item.size() || item[eq + 1] < '0' || item[eq + 1] > '3') {
-      *why_not = "NIBBLE_PDL_TRIGGER: '" + item + "' is not site=0..3 (sites qkv, o, router, up, down)";
-      return false;
-    }
-    value |= unsigned(item[eq + 1] - '0' + 1) << (3 * site);
-    pos = end + 1;
-  }
-  return cudaMemcpyToSymbol(kernels::g_pdl_trigger, &value, sizeof(value)) == cudaSuccess ||
-         (*why_not = "NIBBLE_PDL_TRIGGER: could not set the device symbol", false);
+bool pdl_trigger_set(uint32_t bits) {
+  return cudaMemcpyToSymbol(kernels::g_pdl_trigger, &bits, sizeof(bits)) == cudaSuccess;
 }
 
 #ifdef NIBBLE_TIMELINE

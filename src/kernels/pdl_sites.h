@@ -1,0 +1,28 @@
+// Where a decode kernel releases its PDL successor (kernels/pdl.cuh): the kernels' sites and places,
+// shared by the kernels and the host's parser of NIBBLE_PDL_TRIGGER (backend/pdl_trigger.h), so
+// neither copies the other's numbering.
+#pragma once
+
+namespace nibble::kernels {
+
+enum PdlSite : int {
+  kPdlQkv = 0,
+  kPdlO = 1,
+  kPdlRouter = 2,
+  kPdlGateUp = 3,
+  kPdlDown = 4,
+  kPdlAttention = 5,
+  kPdlSites = 6,
+  kPdlNoSite = -1,
+};
+// The override's names, in PdlSite order.
+inline constexpr const char* kPdlSiteNames[kPdlSites] = {"qkv", "o", "router", "up", "down", "attention"};
+
+enum PdlWhere : unsigned {
+  kPdlAtWait = 0,         // as soon as the block passes its wait
+  kPdlAfterInput = 1,     // once the block has staged its input (the activations it reads from L2)
+  kPdlAfterProducts = 2,  // once its products (attention: its loop) are done, before it reduces and stores
+  kPdlAtExit = 3,         // not at all: the successor starts as the block exits
+};
+
+}  // namespace nibble::kernels
