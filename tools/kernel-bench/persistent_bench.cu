@@ -1,0 +1,474 @@
+// What a persistent decode step could reach: the skeleton of one kernel for a whole batch-1 decode
+// step (no lm_head), with the real byte counts and dependencies of a model's layers and synthetic
+// arithmetic. The question behind it (issue 6): the per-kernel decode spends ~4x its bandwidth
+// time per layer, and BENCHMARKS.md traced it to each launch's ramp and tail plus the chain of
+// L2 round trips after each PDL wait; earlier bytes (L2 prefetch, early triggers) queued ahead of
+// the critical loads. In one persistent kernel a producer warp per SM streams that SM's weight
+// tiles for the whole step, in step order, through a shared-memory ring, while the consumer warps
+// take the phases in order, each after a grid barrier. The ring bounds what is in flight, the
+// order keeps the bytes of the running phase ahead of the next ones, and DRAM can stay busy
+// across phase boundaries. How close to the copy bandwidth does that get, with the barriers and
+// the activations' L2 reads a step really has?
+//
+// A layer is a list of phases (bytes, tile size, and whether the producer must first wait for a
+// barrier: the experts are known only once the router's phase is done). Every phase ends in a
+// grid barrier (a counter a phase, one release-add per block, polled with acquire loads), and its
+// consumers start by reading the previous phase's output row from L2 (the activation staging of
+// the real kernels). Modes of the producer:
+//   ahead:  bounded only by the ring and the routing dependency (the persistent design)
+//   pdl:    phase p's tiles only after phase p - 2's barrier (what PDL gives: the next kernel's
+//           weights load while the current one runs)
+//   serial: phase p's tiles only after phase p - 1's barrier (loads after the wait)
+// plus "barriers only" (no bytes): the floor the dependency chain alone sets; and "layers": the
+// per-kernel design in the same terms (one PDL launch a phase in a CUDA graph), the figure to
+// compare with on the same machine.
+// Run by hand on the GPU: build/cuda/persistent_bench [work]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "bench_common.cuh"
+#include "kernels/bulk_copy.cuh"
+
+namespace {
+
+using namespace nibble::kernels;
+
+constexpr int kConsumers = 8;  // consumer warps a block; one more warp produces
+
+struct Phase {
+  const uint8_t* base;  // tiles of tile_bytes, contiguous
+  int64_t tiles;
+  int tile_bytes;
+  int dep;  // the producer waits for this phase's barrier first (-1: none)
+};
+
+enum Mode { kAhead = 0, kPdl = 1, kSerial = 2 };
+
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void add_release(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Until counter >= target; traps after ~2 s instead of hanging.
+__device__ void wait_counter(const uint32_t* counter, uint32_t target) {
+  uint64_t start = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  while (load_acquire(counter) < target) {
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > 2'000'000'000ull) __trap();
+  }
+}
+
+// griddepcontrol (PDL) is sm_90+; the bench runs on Hopper, older targets only compile it.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(32 * kConsumers) : "memory"); }
+
+// This block's k-th tile of phase p: tiles are dealt round-robin from a per-phase offset, so the
+// blocks that get one more tile differ from phase to phase.
+__device__ __forceinline__ int64_t my_tiles(const Phase& ph, int p) {
+  const int64_t g = gridDim.x, first = (int64_t(blockIdx.x) - 37 * p % g + g) % g;
+  return ph.tiles > first ? (ph.tiles - 1 - first) / g + 1 : 0;
+}
+__device__ __forceinline__ int64_t tile_index(int p, int64_t k) {
+  const int64_t g = gridDim.x;
+  return (int64_t(blockIdx.x) - 37 * p % g + g) % g + k * g;
+}
+
+__global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
+    step_kernel(const Phase* __restrict__ phases, int n_phases, int stages, int stage_bytes, int mode, int work,
+                uint32_t* __restrict__ counters, float* __restrict__ act, int act_floats, uint32_t* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  auto* full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * stage_bytes);
+  uint64_t* empty = full + stages;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t grid = gridDim.x;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], kConsumers);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  if (warp == kConsumers) {  // the producer
+    const uint64_t policy = l2_evict_first_policy();
+    int64_t j = 0;
+    for (int p = 0; p < n_phases; ++p) {
+      const Phase ph = phases[p];
+      int dep = ph.dep;
+      if (mode == kSerial && p >= 1) dep = max(dep, p - 1);
+      if (mode == kPdl && p >= 2) dep = max(dep, p - 2);
+      if (dep >= 0 && lane == 0) wait_counter(counters + dep, grid);
+      __syncwarp();
+      const int64_t mine = my_tiles(ph, p);
+      for (int64_t k = 0; k < mine; ++k, ++j) {
+        const int s = int(j % stages);
+        if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
+        if (lane == 0) {
+          mbarrier_arrive_expect(&full[s], uint32_t(ph.tile_bytes));
+          bulk_load(smem + int64_t(s) * stage_bytes, ph.base + tile_index(p, k) * ph.tile_bytes,
+                    uint32_t(ph.tile_bytes), &full[s], policy);
+        }
+        __syncwarp();
+      }
+    }
+    return;
+  }
+  // The consumers.
+  __shared__ float s_partial[kConsumers];
+  uint32_t acc = 0;
+  int64_t j = 0;
+  for (int p = 0; p < n_phases; ++p) {
+    const Phase ph = phases[p];
+    if (p > 0) {
+      if (threadIdx.x == 0) wait_counter(counters + p - 1, grid);
+      consumers_sync();
+      // The previous phase's output row, from L2 (as the real kernels stage their input).
+      float x = 0.f;
+      for (int i = threadIdx.x; i < act_floats; i += 32 * kConsumers) x += __ldcg(act + int64_t(p - 1) * act_floats + i);
+      acc += __float_as_uint(x);
+      consumers_sync();
+    }
+    const int64_t mine = my_tiles(ph, p);
+    const int units = ph.tile_bytes / 16;
+    for (int64_t k = 0; k < mine; ++k, ++j) {
+      const int s = int(j % stages);
+      mbarrier_wait(&full[s], uint32_t((j / stages) & 1));
+      const uint4* stage = reinterpret_cast<const uint4*>(smem + int64_t(s) * stage_bytes);
+      for (int u = warp * 32 + lane; u < units; u += 32 * kConsumers) {
+        const uint4 v = stage[u];
+        uint32_t h = v.x ^ v.y ^ v.z ^ v.w;
+        for (int i = 0; i < work; ++i) h = h * 2654435761u + (h >> 7);
+        acc += h;
+      }
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&empty[s]);
+    }
+    // The epilogue: the warps' partial sums meet, the block writes its share of the output row,
+    // and counts itself done with the phase.
+    float part = float(acc & 0xff);
+    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+    if (lane == 0) s_partial[warp] = part;
+    consumers_sync();
+    if (threadIdx.x < 16) {
+      float sum = 0.f;
+      for (int w = 0; w < kConsumers; ++w) sum += s_partial[w];
+      const int64_t i = (int64_t(blockIdx.x) * 16 + threadIdx.x) % act_floats;
+      act[int64_t(p) * act_floats + i] = sum;
+    }
+    consumers_sync();
+    if (threadIdx.x == 0) add_release(counters + p, 1u);
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+// The per-kernel design in the same terms, for a side-by-side figure: one launch a phase (PDL,
+// replayed as a CUDA graph as nibble's decode steps are), the same producer and consumers. As the
+// real kernels do, a phase's weights are issued before griddepcontrol.wait unless they depend on
+// the previous launch (the experts of the phase right after the router), the successor is
+// released once the row is staged, and a smaller ring lets the next launch's block be resident
+// beside this one's (the real kernels' weights sit in registers, not shared memory).
+__global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
+    phase_kernel(Phase ph, int p, int stages, int stage_bytes, int work, const float* __restrict__ act_in,
+                 float* __restrict__ act_out, int act_floats, uint32_t* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  auto* full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * stage_bytes);
+  uint64_t* empty = full + stages;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], kConsumers);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  const int64_t mine = my_tiles(ph, p);
+  if (warp == kConsumers) {
+    const uint64_t policy = l2_evict_first_policy();
+    if (ph.dep == p - 1) grid_dependency_wait();
+    for (int64_t j = 0; j < mine; ++j) {
+      const int s = int(j % stages);
+      if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
+      if (lane == 0) {
+        mbarrier_arrive_expect(&full[s], uint32_t(ph.tile_bytes));
+        bulk_load(smem + int64_t(s) * stage_bytes, ph.base + tile_index(p, j) * ph.tile_bytes, uint32_t(ph.tile_bytes),
+                  &full[s], policy);
+      }
+      __syncwarp();
+    }
+    return;
+  }
+  grid_dependency_wait();
+  uint32_t acc = 0;
+  if (act_in) {
+    float x = 0.f;
+    for (int i = threadIdx.x; i < act_floats; i += 32 * kConsumers) x += __ldcg(act_in + i);
+    acc += __float_as_uint(x);
+  }
+  consumers_sync();
+  launch_dependents();
+  const int units = ph.tile_bytes / 16;
+  for (int64_t j = 0; j < mine; ++j) {
+    const int s = int(j % stages);
+    mbarrier_wait(&full[s], uint32_t((j / stages) & 1));
+    const uint4* stage = reinterpret_cast<const uint4*>(smem + int64_t(s) * stage_bytes);
+    for (int u = warp * 32 + lane; u < units; u += 32 * kConsumers) {
+      const uint4 v = stage[u];
+      uint32_t h = v.x ^ v.y ^ v.z ^ v.w;
+      for (int i = 0; i < work; ++i) h = h * 2654435761u + (h >> 7);
+      acc += h;
+    }
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(&empty[s]);
+  }
+  __shared__ float s_partial[kConsumers];
+  float part = float(acc & 0xff);
+  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+  if (lane == 0) s_partial[warp] = part;
+  consumers_sync();
+  if (threadIdx.x < 16) {
+    float sum = 0.f;
+    for (int w = 0; w < kConsumers; ++w) sum += s_partial[w];
+    act_out[(int64_t(blockIdx.x) * 16 + threadIdx.x) % act_floats] = sum;
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+struct PhaseShape {
+  const char* name;
+  double bytes;
+  int tile_bytes;
+  bool routed;  // the producer waits for the router's barrier
+};
+
+struct ModelShape {
+  const char* name;
+  int layers;
+  int act_floats;  // the hidden size: the row each phase reads
+  std::vector<PhaseShape> phases;
+};
+
+int64_t round_tiles(double bytes, int tile) { return bytes <= 0 ? 0 : int64_t((bytes + tile - 1) / tile); }
+
+void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tbs) {
+  std::vector<PhaseShape> layer = m.phases;
+  double layer_bytes = 0;
+  int max_tile = 0;
+  for (const auto& p : layer) layer_bytes += double(round_tiles(p.bytes, p.tile_bytes)) * p.tile_bytes, max_tile = std::max(max_tile, p.tile_bytes);
+  const double step_bytes = layer_bytes * m.layers;
+  uint8_t* buf = nullptr;
+  BENCH_CHECK(cudaMalloc(&buf, size_t(step_bytes)));
+  kernel_bench::fill_bytes_kernel<<<1024, 256>>>(buf, int64_t(step_bytes), 11u, 0u, 256u);
+  // Phase tables: the real one, and one with no bytes (the chain alone).
+  std::vector<Phase> table, empty_table;
+  const uint8_t* at = buf;
+  int router = -1;
+  for (int l = 0; l < m.layers; ++l)
+    for (const auto& p : layer) {
+      const int idx = int(table.size());
+      const int64_t tiles = round_tiles(p.bytes, p.tile_bytes);
+      table.push_back({at, tiles, p.tile_bytes, p.routed ? router : -1});
+      empty_table.push_back({at, 0, p.tile_bytes, -1});
+      if (std::string(p.name) == "router") router = idx;
+      at += tiles * p.tile_bytes;
+    }
+  const int n = int(table.size());
+  Phase *d_table = nullptr, *d_empty = nullptr;
+  BENCH_CHECK(cudaMalloc(&d_table, n * sizeof(Phase)));
+  BENCH_CHECK(cudaMalloc(&d_empty, n * sizeof(Phase)));
+  BENCH_CHECK(cudaMemcpy(d_table, table.data(), n * sizeof(Phase), cudaMemcpyHostToDevice));
+  BENCH_CHECK(cudaMemcpy(d_empty, empty_table.data(), n * sizeof(Phase), cudaMemcpyHostToDevice));
+  uint32_t* counters = nullptr;
+  BENCH_CHECK(cudaMalloc(&counters, n * 4));
+  float* act = kernel_bench::device_floats(int64_t(n) * m.act_floats, 0.5f);
+  uint32_t* sink = nullptr;
+  BENCH_CHECK(cudaMalloc(&sink, 4));
+  std::printf("\n%s: %d layers, %.1f MB a layer, %.3f GB a step (no lm_head); at %.2f TB/s: %.2f us a layer\n", m.name,
+              m.layers, layer_bytes / 1e6, step_bytes / 1e9, copy_tbs, layer_bytes / copy_tbs / 1e6);
+  std::printf("%-40s %10s %10s %9s\n", "variant", "us a step", "us a layer", "TB/s");
+  auto time_variant = [&](const char* name, const Phase* d_phases, int mode, int stages, int stage_bytes, double bytes) {
+    const size_t smem = size_t(stages) * stage_bytes + 16 * size_t(stages);
+    if (int(smem) > optin) return;
+    BENCH_CHECK(cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    auto launch = [&] {
+      int n_phases = n, act_floats = m.act_floats, w = work;
+      void* args[] = {(void*)&d_phases, &n_phases, &stages, &stage_bytes, &mode, &w, &counters, &act, &act_floats, &sink};
+      BENCH_CHECK(cudaLaunchCooperativeKernel((void*)step_kernel, dim3(sms), dim3(32 * (kConsumers + 1)), args, smem));
+    };
+    for (int i = 0; i < 3; ++i) {
+      BENCH_CHECK(cudaMemsetAsync(counters, 0, n * 4));
+      launch();
+    }
+    BENCH_CHECK(cudaDeviceSynchronize());
+    std::vector<float> times;
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    for (int r = 0; r < 20; ++r) {
+      BENCH_CHECK(cudaMemsetAsync(counters, 0, n * 4));  // the barriers' counters, outside the timing
+      cudaEventRecord(a);
+      launch();
+      cudaEventRecord(b);
+      BENCH_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      cudaEventElapsedTime(&ms, a, b);
+      times.push_back(ms);
+    }
+    BENCH_CHECK(cudaGetLastError());
+    std::sort(times.begin(), times.end());
+    const double us = 1000.0 * times[times.size() / 2];
+    std::printf("%-40s %10.1f %10.2f %9.2f\n", name, us, us / m.layers, bytes > 0 ? bytes / us / 1e6 : 0.0);
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  };
+  char name[96];
+  for (int stages : {2, 4, 8, 13}) {
+    for (int mode : {kAhead, kPdl, kSerial}) {
+      static const char* modes[] = {"ahead", "pdl", "serial"};
+      std::snprintf(name, sizeof name, "%s, %d stages of %d KB", modes[mode], stages, max_tile / 1024);
+      time_variant(name, d_table, mode, stages, max_tile, step_bytes);
+    }
+  }
+  time_variant("barriers and rows only (no bytes)", d_empty, kAhead, 2, max_tile, 0);
+  // The per-kernel design: n PDL launches in one graph.
+  for (int stages : {2, 4}) {
+    const size_t smem = size_t(stages) * max_tile + 16 * size_t(stages);
+    BENCH_CHECK(cudaFuncSetAttribute(phase_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    cudaStream_t stream;
+    BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int p = 0; p < n; ++p) {
+      cudaLaunchAttribute attr{};
+      attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(sms);
+      config.blockDim = dim3(32 * (kConsumers + 1));
+      config.dynamicSmemBytes = smem;
+      config.stream = stream;
+      config.attrs = &attr;
+      config.numAttrs = 1;
+      const float* in = p > 0 ? act + int64_t(p - 1) * m.act_floats : nullptr;
+      BENCH_CHECK(cudaLaunchKernelEx(&config, phase_kernel, table[size_t(p)], p, stages, max_tile, work, in,
+                                     act + int64_t(p) * m.act_floats, m.act_floats, sink));
+    }
+    BENCH_CHECK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec;
+    BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 3; ++i) BENCH_CHECK(cudaGraphLaunch(exec, stream));
+    BENCH_CHECK(cudaStreamSynchronize(stream));
+    std::vector<float> times;
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    for (int r = 0; r < 20; ++r) {
+      cudaEventRecord(a, stream);
+      BENCH_CHECK(cudaGraphLaunch(exec, stream));
+      cudaEventRecord(b, stream);
+      BENCH_CHECK(cudaEventSynchronize(b));
+      float ms = 0;
+      cudaEventElapsedTime(&ms, a, b);
+      times.push_back(ms);
+    }
+    BENCH_CHECK(cudaGetLastError());
+    std::sort(times.begin(), times.end());
+    const double us = 1000.0 * times[times.size() / 2];
+    std::snprintf(name, sizeof name, "layers: %d launches, %d stages", n, stages);
+    std::printf("%-40s %10.1f %10.2f %9.2f\n", name, us, us / m.layers, step_bytes / us / 1e6);
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    BENCH_CHECK(cudaGraphExecDestroy(exec));
+    BENCH_CHECK(cudaGraphDestroy(graph));
+    BENCH_CHECK(cudaStreamDestroy(stream));
+  }
+  std::printf("(%zu phases a layer: the last row over %zu is one phase boundary)\n", layer.size(), layer.size());
+  BENCH_CHECK(cudaFree(buf));
+  BENCH_CHECK(cudaFree(d_table));
+  BENCH_CHECK(cudaFree(d_empty));
+  BENCH_CHECK(cudaFree(counters));
+  BENCH_CHECK(cudaFree(act));
+  BENCH_CHECK(cudaFree(sink));
+}
+
+double copy_bandwidth_tbs() {
+  const size_t bytes = size_t(1) << 30;
+  void *a = nullptr, *b = nullptr;
+  BENCH_CHECK(cudaMalloc(&a, bytes));
+  BENCH_CHECK(cudaMalloc(&b, bytes));
+  BENCH_CHECK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  cudaEventRecord(e0);
+  for (int i = 0; i < 10; ++i) BENCH_CHECK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+  cudaEventRecord(e1);
+  BENCH_CHECK(cudaEventSynchronize(e1));
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  BENCH_CHECK(cudaFree(a));
+  BENCH_CHECK(cudaFree(b));
+  return 2.0 * bytes * 10 / (ms * 1e-3) / 1e12;  // read + write
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int work = argc > 1 ? std::atoi(argv[1]) : 8;
+  int sms = 0, optin = 0, coop = 0, major = 0;
+  BENCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  if (major < 9) {
+    std::fprintf(stderr, "persistent_bench: needs sm_90 or newer (bulk copies, PDL)\n");
+    return 2;
+  }
+  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  BENCH_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  BENCH_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, 0));
+  if (!coop) {
+    std::fprintf(stderr, "persistent_bench: the device cannot launch cooperative kernels\n");
+    return 2;
+  }
+  const double tbs = copy_bandwidth_tbs();
+  std::printf("%d SMs, copy bandwidth %.2f TB/s, consumer work %d a 16-byte unit\n", sms, tbs, work);
+  // INT4 group 128 with f16 scales and zero points: 0.5 + 4/128 bytes a weight.
+  const double int4 = 0.5 + 4.0 / 128, mxfp4 = 0.5 + 1.0 / 32;
+  for (double depth : {0.0, 8192.0}) {
+    // Qwen3-30B-A3B: hidden 2048, q 32 x 128, kv 4 x 128 (f16 K and V), 128 experts top 8 of 768.
+    const double kv = depth * 4 * 128 * 2 * 2;
+    ModelShape qwen3{depth == 0 ? "Qwen3-30B-A3B INT4, depth 0" : "Qwen3-30B-A3B INT4, depth 8192", 48, 2048,
+                     {{"qkv", 5120 * 2048 * int4, 16384, false},
+                      {"attention", kv, 16384, false},
+                      {"o", 2048 * 4096 * int4, 16384, false},
+                      {"router", 128 * 2048 * 2, 16384, false},
+                      {"gate_up", 8 * 1536 * 2048 * int4, 16384, true},
+                      {"down", 8 * 2048 * 768 * int4, 16384, true}}};
+    run_model(qwen3, sms, optin, work, tbs);
+  }
+  // gpt-oss-20b with every layer in MXFP4: hidden 2880, q 64 x 64, kv 8 x 64, 32 experts top 4.
+  ModelShape oss{"gpt-oss-20b all-MXFP4, depth 0", 24, 2880,
+                 {{"qkv", 5120 * 2880 * mxfp4, 16384, false},
+                  {"attention", 0, 16384, false},
+                  {"o", 2880 * 4096 * mxfp4, 16384, false},
+                  {"router", 32 * 2880 * 2, 16384, false},
+                  {"gate_up", 4 * 5760 * 2880 * mxfp4, 16384, true},
+                  {"down", 4 * 2880 * 2880 * mxfp4, 16384, true}}};
+  run_model(oss, sms, optin, work, tbs);
+  return 0;
+}
