@@ -14,14 +14,23 @@
 // barrier: the experts are known only once the router's phase is done). Every phase ends in a
 // grid barrier (a counter a phase, one release-add per block, polled with acquire loads), and its
 // consumers start by reading the previous phase's output row from L2 (the activation staging of
-// the real kernels). Modes of the producer:
-//   ahead:  bounded only by the ring and the routing dependency (the persistent design)
-//   pdl:    phase p's tiles only after phase p - 2's barrier (what PDL gives: the next kernel's
-//           weights load while the current one runs)
-//   serial: phase p's tiles only after phase p - 1's barrier (loads after the wait)
-// plus "barriers only" (no bytes): the floor the dependency chain alone sets; and "layers": the
-// per-kernel design in the same terms (one PDL launch a phase in a CUDA graph), the figure to
-// compare with on the same machine.
+// the real kernels). The variants, each timed for a whole step:
+//   weights in registers, as the shipped kernels hold them (a block loads its first tiles of a
+//   phase before it waits for the phase's input):
+//     layers:     one PDL launch a phase, replayed as a CUDA graph: the shipped design in these
+//                 terms, the figure the others compare with on the same machine
+//     persistent: the same phases in one cooperative launch, grid barriers in place of launches
+//                 (no boundaries, no blocks resident late; the existing kernels' code could move
+//                 into it as it is)
+//   weights through a shared-memory ring that a producer warp an SM fills:
+//     layers:     one PDL launch a phase, a small ring so the next launch's block fits beside
+//     persistent, ahead:  bounded only by the ring and the routing (the design of
+//                 docs/persistent-decode.md)
+//     persistent, pdl:    phase p's tiles only after phase p - 2's barrier (PDL's lookahead)
+//     persistent, serial: phase p's tiles only after phase p - 1's barrier
+//     barriers and rows only (no bytes): the floor the dependency chain alone sets
+// The consumers' arithmetic is `work` dependent multiply-adds a 16-byte unit (8: about an INT4
+// unit's dequantisation and mma).
 // Run by hand on the GPU: build/cuda/persistent_bench [work]
 #include <cuda_runtime.h>
 
@@ -181,6 +190,117 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
+// Weights in registers instead of a ring, as the shipped decode kernels hold them: each block
+// loads up to kRegTiles of its tiles of a phase (16 bytes x 4 a thread a 16 KB tile) before it
+// waits for the phase's input, the rest kRegTiles at a time after. As one persistent kernel
+// (grid barriers: what PDL gives without launches, late blocks or boundaries) and as one launch
+// a phase (PDL, graph-replayed: the shipped design in these terms).
+constexpr int kRegTiles = 4;
+constexpr int kRegUnits = 4;  // 16-byte units a thread a tile: tiles up to 16 KB
+constexpr int kRegMaxTileBytes = 16 * kRegUnits * 32 * kConsumers;
+
+struct RegisterTiles {
+  uint4 r[kRegTiles][kRegUnits];
+
+  __device__ __forceinline__ void load(const Phase& ph, int p, int64_t k0, int64_t mine) {
+    const int units = ph.tile_bytes / 16;
+#pragma unroll
+    for (int b = 0; b < kRegTiles; ++b)
+#pragma unroll
+      for (int i = 0; i < kRegUnits; ++i) {
+        const int u = threadIdx.x + i * 32 * kConsumers;
+        if (k0 + b < mine && u < units)
+          r[b][i] = __ldcs(reinterpret_cast<const uint4*>(ph.base + tile_index(p, k0 + b) * ph.tile_bytes) + u);
+      }
+  }
+
+  __device__ __forceinline__ void use(const Phase& ph, int64_t k0, int64_t mine, int work, uint32_t& acc) const {
+    const int units = ph.tile_bytes / 16;
+#pragma unroll
+    for (int b = 0; b < kRegTiles; ++b)
+#pragma unroll
+      for (int i = 0; i < kRegUnits; ++i) {
+        const int u = threadIdx.x + i * 32 * kConsumers;
+        if (k0 + b < mine && u < units) {
+          const uint4 v = r[b][i];
+          uint32_t h = v.x ^ v.y ^ v.z ^ v.w;
+          for (int w = 0; w < work; ++w) h = h * 2654435761u + (h >> 7);
+          acc += h;
+        }
+      }
+  }
+};
+
+// The block's partial sums meet and it writes its share of phase p's output row.
+__device__ __forceinline__ void phase_epilogue(uint32_t acc, float* row, int act_floats) {
+  __shared__ float s_partial[kConsumers];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float part = float(acc & 0xff);
+  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+  if (lane == 0) s_partial[warp] = part;
+  consumers_sync();
+  if (threadIdx.x < 16) {
+    float sum = 0.f;
+    for (int w = 0; w < kConsumers; ++w) sum += s_partial[w];
+    row[(int64_t(blockIdx.x) * 16 + threadIdx.x) % act_floats] = sum;
+  }
+  consumers_sync();
+}
+
+// The previous phase's output row, from L2.
+__device__ __forceinline__ void read_row(const float* row, int act_floats, uint32_t& acc) {
+  float x = 0.f;
+  for (int i = threadIdx.x; i < act_floats; i += 32 * kConsumers) x += __ldcg(row + i);
+  acc += __float_as_uint(x);
+}
+
+__global__ void __launch_bounds__(32 * kConsumers, 1)
+    step_registers_kernel(const Phase* __restrict__ phases, int n_phases, int work, uint32_t* __restrict__ counters,
+                          float* __restrict__ act, int act_floats, uint32_t* sink) {
+  uint32_t acc = 0;
+  RegisterTiles tiles;
+  for (int p = 0; p < n_phases; ++p) {
+    const Phase ph = phases[p];
+    const int64_t mine = my_tiles(ph, p);
+    const bool after = ph.dep >= 0 && ph.dep == p - 1;  // its tiles follow from the barrier just before
+    if (!after) tiles.load(ph, p, 0, mine);
+    if (p > 0) {
+      if (threadIdx.x == 0) wait_counter(counters + p - 1, gridDim.x);
+      consumers_sync();
+      read_row(act + int64_t(p - 1) * act_floats, act_floats, acc);
+    }
+    if (after) tiles.load(ph, p, 0, mine);
+    for (int64_t k0 = 0; k0 < mine; k0 += kRegTiles) {
+      if (k0 > 0) tiles.load(ph, p, k0, mine);
+      tiles.use(ph, k0, mine, work, acc);
+    }
+    phase_epilogue(acc, act + int64_t(p) * act_floats, act_floats);
+    if (threadIdx.x == 0) add_release(counters + p, 1u);
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+__global__ void __launch_bounds__(32 * kConsumers, 1)
+    phase_registers_kernel(Phase ph, int p, int work, const float* __restrict__ act_in, float* __restrict__ act_out,
+                           int act_floats, uint32_t* sink) {
+  uint32_t acc = 0;
+  RegisterTiles tiles;
+  const int64_t mine = my_tiles(ph, p);
+  const bool after = ph.dep >= 0 && ph.dep == p - 1;
+  if (!after) tiles.load(ph, p, 0, mine);
+  grid_dependency_wait();
+  if (act_in) read_row(act_in, act_floats, acc);
+  consumers_sync();
+  launch_dependents();
+  if (after) tiles.load(ph, p, 0, mine);
+  for (int64_t k0 = 0; k0 < mine; k0 += kRegTiles) {
+    if (k0 > 0) tiles.load(ph, p, k0, mine);
+    tiles.use(ph, k0, mine, work, acc);
+  }
+  phase_epilogue(acc, act_out, act_floats);
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
 // The per-kernel design in the same terms, for a side-by-side figure: one launch a phase (PDL,
 // replayed as a CUDA graph as nibble's decode steps are), the same producer and consumers. As the
 // real kernels do, a phase's weights are issued before griddepcontrol.wait unless they depend on
@@ -267,11 +387,45 @@ struct ModelShape {
 
 int64_t round_tiles(double bytes, int tile) { return bytes <= 0 ? 0 : int64_t((bytes + tile - 1) / tile); }
 
+// Median µs of 20 timed calls of run(stream) after 3 warm-ups; before(stream) runs outside the
+// timing (the barriers' counters back to 0).
+template <typename Before, typename Run>
+double median_us(cudaStream_t stream, Before&& before, Run&& run) {
+  for (int i = 0; i < 3; ++i) before(stream), run(stream);
+  BENCH_CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> times;
+  cudaEvent_t a, b;
+  BENCH_CHECK(cudaEventCreate(&a));
+  BENCH_CHECK(cudaEventCreate(&b));
+  for (int r = 0; r < 20; ++r) {
+    before(stream);
+    BENCH_CHECK(cudaEventRecord(a, stream));
+    run(stream);
+    BENCH_CHECK(cudaEventRecord(b, stream));
+    BENCH_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, a, b));
+    times.push_back(ms);
+  }
+  BENCH_CHECK(cudaGetLastError());
+  BENCH_CHECK(cudaEventDestroy(a));
+  BENCH_CHECK(cudaEventDestroy(b));
+  std::sort(times.begin(), times.end());
+  return 1000.0 * times[times.size() / 2];
+}
+
 void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tbs) {
   std::vector<PhaseShape> layer = m.phases;
   double layer_bytes = 0;
   int max_tile = 0;
-  for (const auto& p : layer) layer_bytes += double(round_tiles(p.bytes, p.tile_bytes)) * p.tile_bytes, max_tile = std::max(max_tile, p.tile_bytes);
+  for (const auto& p : layer) {
+    layer_bytes += double(round_tiles(p.bytes, p.tile_bytes)) * p.tile_bytes;
+    max_tile = std::max(max_tile, p.tile_bytes);
+  }
+  if (max_tile > kRegMaxTileBytes) {
+    std::fprintf(stderr, "persistent_bench: tiles above %d bytes do not fit the register variants\n", kRegMaxTileBytes);
+    std::exit(2);
+  }
   const double step_bytes = layer_bytes * m.layers;
   uint8_t* buf = nullptr;
   BENCH_CHECK(cudaMalloc(&buf, size_t(step_bytes)));
@@ -300,59 +454,35 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
   float* act = kernel_bench::device_floats(int64_t(n) * m.act_floats, 0.5f);
   uint32_t* sink = nullptr;
   BENCH_CHECK(cudaMalloc(&sink, 4));
-  std::printf("\n%s: %d layers, %.1f MB a layer, %.3f GB a step (no lm_head); at %.2f TB/s: %.2f us a layer\n", m.name,
-              m.layers, layer_bytes / 1e6, step_bytes / 1e9, copy_tbs, layer_bytes / copy_tbs / 1e6);
-  std::printf("%-40s %10s %10s %9s\n", "variant", "us a step", "us a layer", "TB/s");
-  auto time_variant = [&](const char* name, const Phase* d_phases, int mode, int stages, int stage_bytes, double bytes) {
-    const size_t smem = size_t(stages) * stage_bytes + 16 * size_t(stages);
+  cudaStream_t stream;
+  BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  BENCH_CHECK(cudaDeviceSynchronize());
+  std::printf("\n%s: %d layers of %zu phases, %.1f MB a layer, %.3f GB a step (no lm_head); at %.2f TB/s: %.2f us a "
+              "layer\n",
+              m.name, m.layers, layer.size(), layer_bytes / 1e6, step_bytes / 1e9, copy_tbs,
+              layer_bytes / copy_tbs / 1e6);
+  std::printf("%-44s %10s %10s %9s\n", "variant", "us a step", "us a layer", "TB/s");
+  auto report = [&](const char* name, double us, double bytes) {
+    std::printf("%-44s %10.1f %10.2f %9.2f\n", name, us, us / m.layers, bytes > 0 ? bytes / us / 1e6 : 0.0);
+  };
+  auto reset = [&](cudaStream_t s) { BENCH_CHECK(cudaMemsetAsync(counters, 0, n * 4, s)); };
+  auto no_reset = [](cudaStream_t) {};
+  int n_phases = n, act_floats = m.act_floats, w = work;
+  // One cooperative launch for the whole step.
+  auto time_ring = [&](const char* name, const Phase* d_phases, int mode, int stages, double bytes) {
+    const size_t smem = size_t(stages) * max_tile + 16 * size_t(stages);
     if (int(smem) > optin) return;
     BENCH_CHECK(cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    auto launch = [&] {
-      int n_phases = n, act_floats = m.act_floats, w = work;
-      void* args[] = {(void*)&d_phases, &n_phases, &stages, &stage_bytes, &mode, &w, &counters, &act, &act_floats, &sink};
-      BENCH_CHECK(cudaLaunchCooperativeKernel((void*)step_kernel, dim3(sms), dim3(32 * (kConsumers + 1)), args, smem));
-    };
-    for (int i = 0; i < 3; ++i) {
-      BENCH_CHECK(cudaMemsetAsync(counters, 0, n * 4));
-      launch();
-    }
-    BENCH_CHECK(cudaDeviceSynchronize());
-    std::vector<float> times;
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    for (int r = 0; r < 20; ++r) {
-      BENCH_CHECK(cudaMemsetAsync(counters, 0, n * 4));  // the barriers' counters, outside the timing
-      cudaEventRecord(a);
-      launch();
-      cudaEventRecord(b);
-      BENCH_CHECK(cudaEventSynchronize(b));
-      float ms = 0;
-      cudaEventElapsedTime(&ms, a, b);
-      times.push_back(ms);
-    }
-    BENCH_CHECK(cudaGetLastError());
-    std::sort(times.begin(), times.end());
-    const double us = 1000.0 * times[times.size() / 2];
-    std::printf("%-40s %10.1f %10.2f %9.2f\n", name, us, us / m.layers, bytes > 0 ? bytes / us / 1e6 : 0.0);
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
+    int stage_bytes = max_tile;
+    void* args[] = {(void*)&d_phases, &n_phases, &stages, &stage_bytes, &mode, &w, &counters, &act, &act_floats, &sink};
+    report(name, median_us(stream, reset, [&](cudaStream_t s) {
+             BENCH_CHECK(cudaLaunchCooperativeKernel((void*)step_kernel, dim3(sms), dim3(32 * (kConsumers + 1)), args,
+                                                     smem, s));
+           }),
+           bytes);
   };
-  char name[96];
-  for (int stages : {2, 4, 8, 13}) {
-    for (int mode : {kAhead, kPdl, kSerial}) {
-      static const char* modes[] = {"ahead", "pdl", "serial"};
-      std::snprintf(name, sizeof name, "%s, %d stages of %d KB", modes[mode], stages, max_tile / 1024);
-      time_variant(name, d_table, mode, stages, max_tile, step_bytes);
-    }
-  }
-  time_variant("barriers and rows only (no bytes)", d_empty, kAhead, 2, max_tile, 0);
-  // The per-kernel design: n PDL launches in one graph.
-  for (int stages : {2, 4}) {
-    const size_t smem = size_t(stages) * max_tile + 16 * size_t(stages);
-    BENCH_CHECK(cudaFuncSetAttribute(phase_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    cudaStream_t stream;
-    BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // One PDL launch a phase, captured as a graph (as nibble replays its decode steps).
+  auto time_graph = [&](const char* name, auto&& launch_phase) {
     cudaGraph_t graph;
     BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     for (int p = 0; p < n; ++p) {
@@ -361,45 +491,56 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
       attr.val.programmaticStreamSerializationAllowed = 1;
       cudaLaunchConfig_t config{};
       config.gridDim = dim3(sms);
-      config.blockDim = dim3(32 * (kConsumers + 1));
-      config.dynamicSmemBytes = smem;
       config.stream = stream;
       config.attrs = &attr;
       config.numAttrs = 1;
       const float* in = p > 0 ? act + int64_t(p - 1) * m.act_floats : nullptr;
-      BENCH_CHECK(cudaLaunchKernelEx(&config, phase_kernel, table[size_t(p)], p, stages, max_tile, work, in,
-                                     act + int64_t(p) * m.act_floats, m.act_floats, sink));
+      launch_phase(config, p, in, act + int64_t(p) * m.act_floats);
     }
     BENCH_CHECK(cudaStreamEndCapture(stream, &graph));
     cudaGraphExec_t exec;
     BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 3; ++i) BENCH_CHECK(cudaGraphLaunch(exec, stream));
-    BENCH_CHECK(cudaStreamSynchronize(stream));
-    std::vector<float> times;
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    for (int r = 0; r < 20; ++r) {
-      cudaEventRecord(a, stream);
-      BENCH_CHECK(cudaGraphLaunch(exec, stream));
-      cudaEventRecord(b, stream);
-      BENCH_CHECK(cudaEventSynchronize(b));
-      float ms = 0;
-      cudaEventElapsedTime(&ms, a, b);
-      times.push_back(ms);
-    }
-    BENCH_CHECK(cudaGetLastError());
-    std::sort(times.begin(), times.end());
-    const double us = 1000.0 * times[times.size() / 2];
-    std::snprintf(name, sizeof name, "layers: %d launches, %d stages", n, stages);
-    std::printf("%-40s %10.1f %10.2f %9.2f\n", name, us, us / m.layers, step_bytes / us / 1e6);
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
+    report(name, median_us(stream, no_reset, [&](cudaStream_t s) { BENCH_CHECK(cudaGraphLaunch(exec, s)); }),
+           step_bytes);
     BENCH_CHECK(cudaGraphExecDestroy(exec));
     BENCH_CHECK(cudaGraphDestroy(graph));
-    BENCH_CHECK(cudaStreamDestroy(stream));
+  };
+  char name[96];
+  std::printf("-- weights in registers (as the shipped kernels)\n");
+  time_graph("layers: one PDL launch a phase", [&](cudaLaunchConfig_t& config, int p, const float* in, float* out) {
+    config.blockDim = dim3(32 * kConsumers);
+    BENCH_CHECK(cudaLaunchKernelEx(&config, phase_registers_kernel, table[size_t(p)], p, work, in, out, m.act_floats,
+                                   sink));
+  });
+  {
+    const Phase* d_phases = d_table;
+    void* args[] = {(void*)&d_phases, &n_phases, &w, &counters, &act, &act_floats, &sink};
+    report("persistent: one launch, grid barriers", median_us(stream, reset, [&](cudaStream_t s) {
+             BENCH_CHECK(cudaLaunchCooperativeKernel((void*)step_registers_kernel, dim3(sms), dim3(32 * kConsumers),
+                                                     args, 0, s));
+           }),
+           step_bytes);
   }
-  std::printf("(%zu phases a layer: the last row over %zu is one phase boundary)\n", layer.size(), layer.size());
+  std::printf("-- weights through a shared-memory ring (a producer warp an SM)\n");
+  for (int stages : {2, 4}) {
+    const size_t smem = size_t(stages) * max_tile + 16 * size_t(stages);
+    BENCH_CHECK(cudaFuncSetAttribute(phase_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    std::snprintf(name, sizeof name, "layers: one PDL launch a phase, %d stages", stages);
+    time_graph(name, [&](cudaLaunchConfig_t& config, int p, const float* in, float* out) {
+      config.blockDim = dim3(32 * (kConsumers + 1));
+      config.dynamicSmemBytes = smem;
+      BENCH_CHECK(cudaLaunchKernelEx(&config, phase_kernel, table[size_t(p)], p, stages, max_tile, work, in, out,
+                                     m.act_floats, sink));
+    });
+  }
+  for (int stages : {2, 4, 8, 13})
+    for (int mode : {kAhead, kPdl, kSerial}) {
+      static const char* modes[] = {"ahead", "pdl", "serial"};
+      std::snprintf(name, sizeof name, "persistent, %s, %d stages of %d KB", modes[mode], stages, max_tile / 1024);
+      time_ring(name, d_table, mode, stages, step_bytes);
+    }
+  time_ring("persistent, barriers and rows only (no bytes)", d_empty, kAhead, 2, 0);
+  BENCH_CHECK(cudaStreamDestroy(stream));
   BENCH_CHECK(cudaFree(buf));
   BENCH_CHECK(cudaFree(d_table));
   BENCH_CHECK(cudaFree(d_empty));
