@@ -12,9 +12,11 @@
 //
 // A layer is a list of phases (bytes, tile size, and whether the producer must first wait for a
 // barrier: the experts are known only once the router's phase is done). Every phase ends in a
-// grid barrier (a counter a phase, one release-add per block, polled with acquire loads), and its
-// consumers start by reading the previous phase's output row from L2 (the activation staging of
-// the real kernels). The variants, each timed for a whole step:
+// grid barrier (kernels/step_sync.cuh: a counter a phase, one release-add per block, polled with
+// acquire loads, never reset, so a captured graph can replay the launch), and its consumers start
+// by reading the previous phase's output row from L2 (the activation staging of the real
+// kernels). The variants, each timed for a whole step (the persistent ones also as a replayed
+// graph, which says whether a cooperative launch can be captured):
 //   weights in registers, as the shipped kernels hold them (a block loads its first tiles of a
 //   phase before it waits for the phase's input):
 //     layers:     one PDL launch a phase, replayed as a CUDA graph: the shipped design in these
@@ -43,6 +45,7 @@
 
 #include "bench_common.cuh"
 #include "kernels/bulk_copy.cuh"
+#include "kernels/step_sync.cuh"
 
 namespace {
 
@@ -58,27 +61,6 @@ struct Phase {
 };
 
 enum Mode { kAhead = 0, kPdl = 1, kSerial = 2 };
-
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void add_release(uint32_t* p, uint32_t v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-// Until counter >= target; traps after ~2 s instead of hanging.
-__device__ void wait_counter(const uint32_t* counter, uint32_t target) {
-  uint64_t start = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  while (load_acquire(counter) < target) {
-    uint64_t now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (now - start > 2'000'000'000ull) __trap();
-  }
-}
 
 // griddepcontrol (PDL) is sm_90+; the bench runs on Hopper, older targets only compile it.
 __device__ __forceinline__ void grid_dependency_wait() {
@@ -107,12 +89,13 @@ __device__ __forceinline__ int64_t tile_index(int p, int64_t k) {
 
 __global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
     step_kernel(const Phase* __restrict__ phases, int n_phases, int stages, int stage_bytes, int mode, int work,
-                uint32_t* __restrict__ counters, float* __restrict__ act, int act_floats, uint32_t* sink) {
+                uint32_t* __restrict__ counters, uint32_t* __restrict__ epoch, float* __restrict__ act, int act_floats,
+                uint32_t* sink) {
   extern __shared__ __align__(128) uint8_t smem[];
   auto* full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * stage_bytes);
   uint64_t* empty = full + stages;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint32_t grid = gridDim.x;
+  const uint32_t e = step_epoch(epoch), done = phase_target(e, gridDim.x);
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], kConsumers);
     fence_barrier_init();
@@ -126,7 +109,7 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
       int dep = ph.dep;
       if (mode == kSerial && p >= 1) dep = max(dep, p - 1);
       if (mode == kPdl && p >= 2) dep = max(dep, p - 2);
-      if (dep >= 0 && lane == 0) wait_counter(counters + dep, grid);
+      if (dep >= 0 && lane == 0) phase_wait(counters + dep, done);
       __syncwarp();
       const int64_t mine = my_tiles(ph, p);
       for (int64_t k = 0; k < mine; ++k, ++j) {
@@ -149,7 +132,7 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
   for (int p = 0; p < n_phases; ++p) {
     const Phase ph = phases[p];
     if (p > 0) {
-      if (threadIdx.x == 0) wait_counter(counters + p - 1, grid);
+      if (threadIdx.x == 0) phase_wait(counters + p - 1, done);
       consumers_sync();
       // The previous phase's output row, from L2 (as the real kernels stage their input).
       float x = 0.f;
@@ -185,8 +168,9 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
       act[int64_t(p) * act_floats + i] = sum;
     }
     consumers_sync();
-    if (threadIdx.x == 0) add_release(counters + p, 1u);
+    if (threadIdx.x == 0) phase_arrive(counters + p);
   }
+  if (blockIdx.x == 0 && threadIdx.x == 0) step_finish(epoch, counters + n_phases - 1, e, gridDim.x);
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
@@ -256,7 +240,8 @@ __device__ __forceinline__ void read_row(const float* row, int act_floats, uint3
 
 __global__ void __launch_bounds__(32 * kConsumers, 1)
     step_registers_kernel(const Phase* __restrict__ phases, int n_phases, int work, uint32_t* __restrict__ counters,
-                          float* __restrict__ act, int act_floats, uint32_t* sink) {
+                          uint32_t* __restrict__ epoch, float* __restrict__ act, int act_floats, uint32_t* sink) {
+  const uint32_t e = step_epoch(epoch), done = phase_target(e, gridDim.x);
   uint32_t acc = 0;
   RegisterTiles tiles;
   for (int p = 0; p < n_phases; ++p) {
@@ -265,7 +250,7 @@ __global__ void __launch_bounds__(32 * kConsumers, 1)
     const bool after = ph.dep >= 0 && ph.dep == p - 1;  // its tiles follow from the barrier just before
     if (!after) tiles.load(ph, p, 0, mine);
     if (p > 0) {
-      if (threadIdx.x == 0) wait_counter(counters + p - 1, gridDim.x);
+      if (threadIdx.x == 0) phase_wait(counters + p - 1, done);
       consumers_sync();
       read_row(act + int64_t(p - 1) * act_floats, act_floats, acc);
     }
@@ -275,8 +260,9 @@ __global__ void __launch_bounds__(32 * kConsumers, 1)
       tiles.use(ph, k0, mine, work, acc);
     }
     phase_epilogue(acc, act + int64_t(p) * act_floats, act_floats);
-    if (threadIdx.x == 0) add_release(counters + p, 1u);
+    if (threadIdx.x == 0) phase_arrive(counters + p);
   }
+  if (blockIdx.x == 0 && threadIdx.x == 0) step_finish(epoch, counters + n_phases - 1, e, gridDim.x);
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
@@ -387,18 +373,16 @@ struct ModelShape {
 
 int64_t round_tiles(double bytes, int tile) { return bytes <= 0 ? 0 : int64_t((bytes + tile - 1) / tile); }
 
-// Median µs of 20 timed calls of run(stream) after 3 warm-ups; before(stream) runs outside the
-// timing (the barriers' counters back to 0).
-template <typename Before, typename Run>
-double median_us(cudaStream_t stream, Before&& before, Run&& run) {
-  for (int i = 0; i < 3; ++i) before(stream), run(stream);
+// Median µs of 20 timed calls of run(stream) after 3 warm-ups.
+template <typename Run>
+double median_us(cudaStream_t stream, Run&& run) {
+  for (int i = 0; i < 3; ++i) run(stream);
   BENCH_CHECK(cudaStreamSynchronize(stream));
   std::vector<float> times;
   cudaEvent_t a, b;
   BENCH_CHECK(cudaEventCreate(&a));
   BENCH_CHECK(cudaEventCreate(&b));
   for (int r = 0; r < 20; ++r) {
-    before(stream);
     BENCH_CHECK(cudaEventRecord(a, stream));
     run(stream);
     BENCH_CHECK(cudaEventRecord(b, stream));
@@ -449,8 +433,11 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
   BENCH_CHECK(cudaMalloc(&d_empty, n * sizeof(Phase)));
   BENCH_CHECK(cudaMemcpy(d_table, table.data(), n * sizeof(Phase), cudaMemcpyHostToDevice));
   BENCH_CHECK(cudaMemcpy(d_empty, empty_table.data(), n * sizeof(Phase), cudaMemcpyHostToDevice));
+  // The phase counters and, after them, the epoch (kernels/step_sync.cuh): zeroed once a variant,
+  // never between its launches.
   uint32_t* counters = nullptr;
-  BENCH_CHECK(cudaMalloc(&counters, n * 4));
+  BENCH_CHECK(cudaMalloc(&counters, (n + 1) * 4));
+  uint32_t* epoch = counters + n;
   float* act = kernel_bench::device_floats(int64_t(n) * m.act_floats, 0.5f);
   uint32_t* sink = nullptr;
   BENCH_CHECK(cudaMalloc(&sink, 4));
@@ -465,21 +452,56 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
   auto report = [&](const char* name, double us, double bytes) {
     std::printf("%-44s %10.1f %10.2f %9.2f\n", name, us, us / m.layers, bytes > 0 ? bytes / us / 1e6 : 0.0);
   };
-  auto reset = [&](cudaStream_t s) { BENCH_CHECK(cudaMemsetAsync(counters, 0, n * 4, s)); };
-  auto no_reset = [](cudaStream_t) {};
   int n_phases = n, act_floats = m.act_floats, w = work;
-  // One cooperative launch for the whole step.
+  // A whole step as one cooperative launch, timed launched directly and as a captured graph (as
+  // nibble would replay it). The graph row says whether a cooperative launch can be captured.
+  auto time_persistent = [&](const char* name, const void* kernel, int threads, size_t smem, void** args,
+                             double bytes) {
+    BENCH_CHECK(cudaMemset(counters, 0, (n + 1) * 4));
+    report(name, median_us(stream, [&](cudaStream_t s) {
+             BENCH_CHECK(cudaLaunchCooperativeKernel(kernel, dim3(sms), dim3(threads), args, smem, s));
+           }),
+           bytes);
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeCooperative;
+    attr.val.cooperative = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(sms);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = 1;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cudaError_t err = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+    if (err == cudaSuccess) {
+      const cudaError_t launched = cudaLaunchKernelExC(&config, kernel, args);
+      err = cudaStreamEndCapture(stream, &graph);
+      if (launched != cudaSuccess) err = launched;
+    }
+    if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
+    if (err == cudaSuccess) err = cudaGraphLaunch(exec, stream);  // a trial replay
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+    char graph_name[128];
+    std::snprintf(graph_name, sizeof graph_name, "  the same, graph-replayed");
+    if (err != cudaSuccess) {
+      std::printf("%-44s not captured: %s\n", graph_name, cudaGetErrorString(err));
+      (void)cudaGetLastError();
+    } else {
+      report(graph_name, median_us(stream, [&](cudaStream_t s) { BENCH_CHECK(cudaGraphLaunch(exec, s)); }), bytes);
+    }
+    if (exec) BENCH_CHECK(cudaGraphExecDestroy(exec));
+    if (graph) BENCH_CHECK(cudaGraphDestroy(graph));
+  };
   auto time_ring = [&](const char* name, const Phase* d_phases, int mode, int stages, double bytes) {
     const size_t smem = size_t(stages) * max_tile + 16 * size_t(stages);
     if (int(smem) > optin) return;
     BENCH_CHECK(cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     int stage_bytes = max_tile;
-    void* args[] = {(void*)&d_phases, &n_phases, &stages, &stage_bytes, &mode, &w, &counters, &act, &act_floats, &sink};
-    report(name, median_us(stream, reset, [&](cudaStream_t s) {
-             BENCH_CHECK(cudaLaunchCooperativeKernel((void*)step_kernel, dim3(sms), dim3(32 * (kConsumers + 1)), args,
-                                                     smem, s));
-           }),
-           bytes);
+    void* args[] = {(void*)&d_phases, &n_phases, &stages,     &stage_bytes, &mode, &w,
+                    &counters,        &epoch,    &act,        &act_floats,  &sink};
+    time_persistent(name, (const void*)step_kernel, 32 * (kConsumers + 1), smem, args, bytes);
   };
   // One PDL launch a phase, captured as a graph (as nibble replays its decode steps).
   auto time_graph = [&](const char* name, auto&& launch_phase) {
@@ -500,8 +522,7 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
     BENCH_CHECK(cudaStreamEndCapture(stream, &graph));
     cudaGraphExec_t exec;
     BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    report(name, median_us(stream, no_reset, [&](cudaStream_t s) { BENCH_CHECK(cudaGraphLaunch(exec, s)); }),
-           step_bytes);
+    report(name, median_us(stream, [&](cudaStream_t s) { BENCH_CHECK(cudaGraphLaunch(exec, s)); }), step_bytes);
     BENCH_CHECK(cudaGraphExecDestroy(exec));
     BENCH_CHECK(cudaGraphDestroy(graph));
   };
@@ -514,12 +535,9 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
   });
   {
     const Phase* d_phases = d_table;
-    void* args[] = {(void*)&d_phases, &n_phases, &w, &counters, &act, &act_floats, &sink};
-    report("persistent: one launch, grid barriers", median_us(stream, reset, [&](cudaStream_t s) {
-             BENCH_CHECK(cudaLaunchCooperativeKernel((void*)step_registers_kernel, dim3(sms), dim3(32 * kConsumers),
-                                                     args, 0, s));
-           }),
-           step_bytes);
+    void* args[] = {(void*)&d_phases, &n_phases, &w, &counters, &epoch, &act, &act_floats, &sink};
+    time_persistent("persistent: one launch, grid barriers", (const void*)step_registers_kernel, 32 * kConsumers, 0,
+                    args, step_bytes);
   }
   std::printf("-- weights through a shared-memory ring (a producer warp an SM)\n");
   for (int stages : {2, 4}) {
