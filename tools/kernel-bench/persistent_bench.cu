@@ -45,6 +45,7 @@
 
 #include "bench_common.cuh"
 #include "kernels/bulk_copy.cuh"
+#include "kernels/pdl.cuh"
 #include "kernels/step_sync.cuh"
 
 namespace {
@@ -62,18 +63,6 @@ struct Phase {
 
 enum Mode { kAhead = 0, kPdl = 1, kSerial = 2 };
 
-// griddepcontrol (PDL) is sm_90+; the bench runs on Hopper, older targets only compile it.
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(32 * kConsumers) : "memory"); }
 
 // This block's k-th tile of phase p: tiles are dealt round-robin from a per-phase offset, so the
@@ -87,21 +76,89 @@ __device__ __forceinline__ int64_t tile_index(int p, int64_t k) {
   return (int64_t(blockIdx.x) - 37 * p % g + g) % g + k * g;
 }
 
+// The consumers' arithmetic on one 16-byte unit of weights.
+__device__ __forceinline__ void use_unit(uint4 v, int work, uint32_t& acc) {
+  uint32_t h = v.x ^ v.y ^ v.z ^ v.w;
+  for (int i = 0; i < work; ++i) h = h * 2654435761u + (h >> 7);
+  acc += h;
+}
+
+// The previous phase's output row, from L2 (as the real kernels stage their input).
+__device__ __forceinline__ void read_row(const float* row, int act_floats, uint32_t& acc) {
+  float x = 0.f;
+  for (int i = threadIdx.x; i < act_floats; i += 32 * kConsumers) x += __ldcg(row + i);
+  acc += __float_as_uint(x);
+}
+
+// The consumers' partial sums meet and the block writes its share of a phase's output row.
+__device__ __forceinline__ void phase_epilogue(uint32_t acc, float* row, int act_floats) {
+  __shared__ float s_partial[kConsumers];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float part = float(acc & 0xff);
+  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+  if (lane == 0) s_partial[warp] = part;
+  consumers_sync();
+  if (threadIdx.x < 16) {
+    float sum = 0.f;
+    for (int w = 0; w < kConsumers; ++w) sum += s_partial[w];
+    row[(int64_t(blockIdx.x) * 16 + threadIdx.x) % act_floats] = sum;
+  }
+  consumers_sync();
+}
+
+// A ring of `stages` shared-memory stages of stage_bytes: the producer warp copies tile j of the
+// block's sequence into stage j % stages (kernels/bulk_copy.cuh's protocol), the consumer warps
+// read it and release it.
+struct Ring {
+  uint8_t* smem;
+  int stages, stage_bytes;
+  uint64_t *full, *empty;
+
+  __device__ Ring(uint8_t* smem_, int stages_, int stage_bytes_) : smem(smem_), stages(stages_), stage_bytes(stage_bytes_) {
+    full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * stage_bytes);
+    empty = full + stages;
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], kConsumers);
+      fence_barrier_init();
+    }
+    __syncthreads();
+  }
+
+  // Producer warp: tile k of phase p as the block's j-th.
+  __device__ void produce(const Phase& ph, int p, int64_t k, int64_t j, uint64_t policy) {
+    const int s = int(j % stages);
+    if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
+    if (threadIdx.x % 32 == 0) {
+      mbarrier_arrive_expect(&full[s], uint32_t(ph.tile_bytes));
+      bulk_load(smem + int64_t(s) * stage_bytes, ph.base + tile_index(p, k) * ph.tile_bytes, uint32_t(ph.tile_bytes),
+                &full[s], policy);
+    }
+    __syncwarp();
+  }
+
+  // Consumer warps: the block's `mine` tiles of a phase, from the j-th on.
+  __device__ void consume(const Phase& ph, int64_t mine, int64_t& j, int work, uint32_t& acc) {
+    const int units = ph.tile_bytes / 16;
+    for (int64_t k = 0; k < mine; ++k, ++j) {
+      const int s = int(j % stages);
+      mbarrier_wait(&full[s], uint32_t((j / stages) & 1));
+      const uint4* stage = reinterpret_cast<const uint4*>(smem + int64_t(s) * stage_bytes);
+      for (int u = threadIdx.x; u < units; u += 32 * kConsumers) use_unit(stage[u], work, acc);
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
+    }
+  }
+};
+
+// The persistent step with the ring: warp kConsumers produces, the others consume.
 __global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
     step_kernel(const Phase* __restrict__ phases, int n_phases, int stages, int stage_bytes, int mode, int work,
                 uint32_t* __restrict__ counters, uint32_t* __restrict__ epoch, float* __restrict__ act, int act_floats,
                 uint32_t* sink) {
   extern __shared__ __align__(128) uint8_t smem[];
-  auto* full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * stage_bytes);
-  uint64_t* empty = full + stages;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  Ring ring(smem, stages, stage_bytes);
   const uint32_t e = step_epoch(epoch), done = phase_target(e, gridDim.x);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], kConsumers);
-    fence_barrier_init();
-  }
-  __syncthreads();
-  if (warp == kConsumers) {  // the producer
+  if (threadIdx.x / 32 == kConsumers) {
     const uint64_t policy = l2_evict_first_policy();
     int64_t j = 0;
     for (int p = 0; p < n_phases; ++p) {
@@ -109,24 +166,13 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
       int dep = ph.dep;
       if (mode == kSerial && p >= 1) dep = max(dep, p - 1);
       if (mode == kPdl && p >= 2) dep = max(dep, p - 2);
-      if (dep >= 0 && lane == 0) phase_wait(counters + dep, done);
+      if (dep >= 0 && threadIdx.x % 32 == 0) phase_wait(counters + dep, done);
       __syncwarp();
       const int64_t mine = my_tiles(ph, p);
-      for (int64_t k = 0; k < mine; ++k, ++j) {
-        const int s = int(j % stages);
-        if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
-        if (lane == 0) {
-          mbarrier_arrive_expect(&full[s], uint32_t(ph.tile_bytes));
-          bulk_load(smem + int64_t(s) * stage_bytes, ph.base + tile_index(p, k) * ph.tile_bytes,
-                    uint32_t(ph.tile_bytes), &full[s], policy);
-        }
-        __syncwarp();
-      }
+      for (int64_t k = 0; k < mine; ++k, ++j) ring.produce(ph, p, k, j, policy);
     }
     return;
   }
-  // The consumers.
-  __shared__ float s_partial[kConsumers];
   uint32_t acc = 0;
   int64_t j = 0;
   for (int p = 0; p < n_phases; ++p) {
@@ -134,40 +180,11 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
     if (p > 0) {
       if (threadIdx.x == 0) phase_wait(counters + p - 1, done);
       consumers_sync();
-      // The previous phase's output row, from L2 (as the real kernels stage their input).
-      float x = 0.f;
-      for (int i = threadIdx.x; i < act_floats; i += 32 * kConsumers) x += __ldcg(act + int64_t(p - 1) * act_floats + i);
-      acc += __float_as_uint(x);
+      read_row(act + int64_t(p - 1) * act_floats, act_floats, acc);
       consumers_sync();
     }
-    const int64_t mine = my_tiles(ph, p);
-    const int units = ph.tile_bytes / 16;
-    for (int64_t k = 0; k < mine; ++k, ++j) {
-      const int s = int(j % stages);
-      mbarrier_wait(&full[s], uint32_t((j / stages) & 1));
-      const uint4* stage = reinterpret_cast<const uint4*>(smem + int64_t(s) * stage_bytes);
-      for (int u = warp * 32 + lane; u < units; u += 32 * kConsumers) {
-        const uint4 v = stage[u];
-        uint32_t h = v.x ^ v.y ^ v.z ^ v.w;
-        for (int i = 0; i < work; ++i) h = h * 2654435761u + (h >> 7);
-        acc += h;
-      }
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(&empty[s]);
-    }
-    // The epilogue: the warps' partial sums meet, the block writes its share of the output row,
-    // and counts itself done with the phase.
-    float part = float(acc & 0xff);
-    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-    if (lane == 0) s_partial[warp] = part;
-    consumers_sync();
-    if (threadIdx.x < 16) {
-      float sum = 0.f;
-      for (int w = 0; w < kConsumers; ++w) sum += s_partial[w];
-      const int64_t i = (int64_t(blockIdx.x) * 16 + threadIdx.x) % act_floats;
-      act[int64_t(p) * act_floats + i] = sum;
-    }
-    consumers_sync();
+    ring.consume(ph, my_tiles(ph, p), j, work, acc);
+    phase_epilogue(acc, act + int64_t(p) * act_floats, act_floats);
     if (threadIdx.x == 0) phase_arrive(counters + p);
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) step_finish(epoch, counters + n_phases - 1, e, gridDim.x);
@@ -203,40 +220,21 @@ struct RegisterTiles {
 #pragma unroll
     for (int b = 0; b < kRegTiles; ++b)
 #pragma unroll
-      for (int i = 0; i < kRegUnits; ++i) {
-        const int u = threadIdx.x + i * 32 * kConsumers;
-        if (k0 + b < mine && u < units) {
-          const uint4 v = r[b][i];
-          uint32_t h = v.x ^ v.y ^ v.z ^ v.w;
-          for (int w = 0; w < work; ++w) h = h * 2654435761u + (h >> 7);
-          acc += h;
-        }
-      }
+      for (int i = 0; i < kRegUnits; ++i)
+        if (k0 + b < mine && threadIdx.x + i * 32 * kConsumers < units) use_unit(r[b][i], work, acc);
+  }
+
+  // All of the block's tiles of phase p, the first kRegTiles already loaded.
+  __device__ __forceinline__ void finish(const Phase& ph, int p, int64_t mine, int work, uint32_t& acc) {
+    for (int64_t k0 = 0; k0 < mine; k0 += kRegTiles) {
+      if (k0 > 0) load(ph, p, k0, mine);
+      use(ph, k0, mine, work, acc);
+    }
   }
 };
 
-// The block's partial sums meet and it writes its share of phase p's output row.
-__device__ __forceinline__ void phase_epilogue(uint32_t acc, float* row, int act_floats) {
-  __shared__ float s_partial[kConsumers];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float part = float(acc & 0xff);
-  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-  if (lane == 0) s_partial[warp] = part;
-  consumers_sync();
-  if (threadIdx.x < 16) {
-    float sum = 0.f;
-    for (int w = 0; w < kConsumers; ++w) sum += s_partial[w];
-    row[(int64_t(blockIdx.x) * 16 + threadIdx.x) % act_floats] = sum;
-  }
-  consumers_sync();
-}
-
-// The previous phase's output row, from L2.
-__device__ __forceinline__ void read_row(const float* row, int act_floats, uint32_t& acc) {
-  float x = 0.f;
-  for (int i = threadIdx.x; i < act_floats; i += 32 * kConsumers) x += __ldcg(row + i);
-  acc += __float_as_uint(x);
-}
+// Whether phase p's tiles follow from the barrier just before it (the experts after the router).
+__device__ __forceinline__ bool loads_after_wait(const Phase& ph, int p) { return ph.dep >= 0 && ph.dep == p - 1; }
 
 __global__ void __launch_bounds__(32 * kConsumers, 1)
     step_registers_kernel(const Phase* __restrict__ phases, int n_phases, int work, uint32_t* __restrict__ counters,
@@ -247,18 +245,14 @@ __global__ void __launch_bounds__(32 * kConsumers, 1)
   for (int p = 0; p < n_phases; ++p) {
     const Phase ph = phases[p];
     const int64_t mine = my_tiles(ph, p);
-    const bool after = ph.dep >= 0 && ph.dep == p - 1;  // its tiles follow from the barrier just before
-    if (!after) tiles.load(ph, p, 0, mine);
+    if (!loads_after_wait(ph, p)) tiles.load(ph, p, 0, mine);
     if (p > 0) {
       if (threadIdx.x == 0) phase_wait(counters + p - 1, done);
       consumers_sync();
       read_row(act + int64_t(p - 1) * act_floats, act_floats, acc);
     }
-    if (after) tiles.load(ph, p, 0, mine);
-    for (int64_t k0 = 0; k0 < mine; k0 += kRegTiles) {
-      if (k0 > 0) tiles.load(ph, p, k0, mine);
-      tiles.use(ph, k0, mine, work, acc);
-    }
+    if (loads_after_wait(ph, p)) tiles.load(ph, p, 0, mine);
+    tiles.finish(ph, p, mine, work, acc);
     phase_epilogue(acc, act + int64_t(p) * act_floats, act_floats);
     if (threadIdx.x == 0) phase_arrive(counters + p);
   }
@@ -266,94 +260,49 @@ __global__ void __launch_bounds__(32 * kConsumers, 1)
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
+// The per-kernel design in the same terms, for a side-by-side figure: one launch a phase (PDL,
+// replayed as a CUDA graph as nibble's decode steps are). As the real kernels do, a phase's
+// weights are issued before griddepcontrol.wait unless they depend on the previous launch (the
+// experts of the phase right after the router), and the successor is released once the row is
+// staged. Registers: 256 threads of ~124 registers, so the next launch's block fits beside.
 __global__ void __launch_bounds__(32 * kConsumers, 1)
     phase_registers_kernel(Phase ph, int p, int work, const float* __restrict__ act_in, float* __restrict__ act_out,
                            int act_floats, uint32_t* sink) {
   uint32_t acc = 0;
   RegisterTiles tiles;
   const int64_t mine = my_tiles(ph, p);
-  const bool after = ph.dep >= 0 && ph.dep == p - 1;
-  if (!after) tiles.load(ph, p, 0, mine);
-  grid_dependency_wait();
+  if (!loads_after_wait(ph, p)) tiles.load(ph, p, 0, mine);
+  pdl_wait();
   if (act_in) read_row(act_in, act_floats, acc);
   consumers_sync();
-  launch_dependents();
-  if (after) tiles.load(ph, p, 0, mine);
-  for (int64_t k0 = 0; k0 < mine; k0 += kRegTiles) {
-    if (k0 > 0) tiles.load(ph, p, k0, mine);
-    tiles.use(ph, k0, mine, work, acc);
-  }
+  pdl_launch_dependents();
+  if (loads_after_wait(ph, p)) tiles.load(ph, p, 0, mine);
+  tiles.finish(ph, p, mine, work, acc);
   phase_epilogue(acc, act_out, act_floats);
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
-// The per-kernel design in the same terms, for a side-by-side figure: one launch a phase (PDL,
-// replayed as a CUDA graph as nibble's decode steps are), the same producer and consumers. As the
-// real kernels do, a phase's weights are issued before griddepcontrol.wait unless they depend on
-// the previous launch (the experts of the phase right after the router), the successor is
-// released once the row is staged, and a smaller ring lets the next launch's block be resident
-// beside this one's (the real kernels' weights sit in registers, not shared memory).
+// The ring: a small one, so the next launch's block fits beside.
 __global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
     phase_kernel(Phase ph, int p, int stages, int stage_bytes, int work, const float* __restrict__ act_in,
                  float* __restrict__ act_out, int act_floats, uint32_t* sink) {
   extern __shared__ __align__(128) uint8_t smem[];
-  auto* full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * stage_bytes);
-  uint64_t* empty = full + stages;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], kConsumers);
-    fence_barrier_init();
-  }
-  __syncthreads();
+  Ring ring(smem, stages, stage_bytes);
   const int64_t mine = my_tiles(ph, p);
-  if (warp == kConsumers) {
+  if (threadIdx.x / 32 == kConsumers) {
     const uint64_t policy = l2_evict_first_policy();
-    if (ph.dep == p - 1) grid_dependency_wait();
-    for (int64_t j = 0; j < mine; ++j) {
-      const int s = int(j % stages);
-      if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
-      if (lane == 0) {
-        mbarrier_arrive_expect(&full[s], uint32_t(ph.tile_bytes));
-        bulk_load(smem + int64_t(s) * stage_bytes, ph.base + tile_index(p, j) * ph.tile_bytes, uint32_t(ph.tile_bytes),
-                  &full[s], policy);
-      }
-      __syncwarp();
-    }
+    if (loads_after_wait(ph, p)) pdl_wait();
+    for (int64_t k = 0; k < mine; ++k) ring.produce(ph, p, k, k, policy);
     return;
   }
-  grid_dependency_wait();
+  pdl_wait();
   uint32_t acc = 0;
-  if (act_in) {
-    float x = 0.f;
-    for (int i = threadIdx.x; i < act_floats; i += 32 * kConsumers) x += __ldcg(act_in + i);
-    acc += __float_as_uint(x);
-  }
+  if (act_in) read_row(act_in, act_floats, acc);
   consumers_sync();
-  launch_dependents();
-  const int units = ph.tile_bytes / 16;
-  for (int64_t j = 0; j < mine; ++j) {
-    const int s = int(j % stages);
-    mbarrier_wait(&full[s], uint32_t((j / stages) & 1));
-    const uint4* stage = reinterpret_cast<const uint4*>(smem + int64_t(s) * stage_bytes);
-    for (int u = warp * 32 + lane; u < units; u += 32 * kConsumers) {
-      const uint4 v = stage[u];
-      uint32_t h = v.x ^ v.y ^ v.z ^ v.w;
-      for (int i = 0; i < work; ++i) h = h * 2654435761u + (h >> 7);
-      acc += h;
-    }
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(&empty[s]);
-  }
-  __shared__ float s_partial[kConsumers];
-  float part = float(acc & 0xff);
-  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-  if (lane == 0) s_partial[warp] = part;
-  consumers_sync();
-  if (threadIdx.x < 16) {
-    float sum = 0.f;
-    for (int w = 0; w < kConsumers; ++w) sum += s_partial[w];
-    act_out[(int64_t(blockIdx.x) * 16 + threadIdx.x) % act_floats] = sum;
-  }
+  pdl_launch_dependents();
+  int64_t j = 0;
+  ring.consume(ph, mine, j, work, acc);
+  phase_epilogue(acc, act_out, act_floats);
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
