@@ -73,38 +73,31 @@ __device__ __forceinline__ void with_words(int words, F&& f) {
   }
 }
 
-// Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0] and rows[1]. When the codes
-// are read once a step (kOnce: a GEMV, or the experts of a single token), they are loaded
-// evict-first (ld.global.cs), so that the K/V rows decode attention prefetched stay in L2 (Qwen3
-// INT4 at depth 8192 +7%, BENCHMARKS.md); the experts of a batch, which several tokens may share,
-// are not (evict-first cost 3% at batch 8). A compile-time choice: chosen at run time, the two
-// loads cost 3.6% at batch 1. Nor the scales: the warps of a row share their 32-byte sectors, which
-// evict-first lost between them (−2% at depth 8192).
-template <int CPG, int WORDS, bool kOnce>
-__device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int64_t (&rows)[2], int64_t k,
-                                                 int64_t q, MmaWeights<CPG>& mw) {
+// Fills mw from group q of rows g and g + 8 wherever they are: rows.codes(h) is row h's codes
+// (its start), rows.scales(h) and rows.zeros(h) its scales and zero points (null: 8). load(p)
+// reads one 16-byte unit or one word of codes. Global memory (mma_weights_load) and a
+// shared-memory stage (kernels/int4_stream.cuh) lay a tile's rows out alike.
+template <int CPG, int WORDS, typename Rows, typename Load>
+__device__ __forceinline__ void mma_weights_fill(const Rows& rows, int shift, int64_t q, Load&& load,
+                                                 MmaWeights<CPG>& mw) {
   const int t = threadIdx.x % 4;
   const int64_t c0 = 4 * q;
-  const int shift = int(w.group_shift);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const uint8_t* base = w.codes + rows[h] * (k / 2) + c0 * 128;
+    const uint8_t* base = rows.codes(h) + c0 * 128;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if constexpr (WORDS == 4) {
-        const uint4* p = reinterpret_cast<const uint4*>(base) + t + 4 * i;
-        const uint4 v = kOnce ? __ldcs(p) : __ldg(p);
+        const uint4 v = load(reinterpret_cast<const uint4*>(base) + t + 4 * i);
         mw.w[h][i][0] = v.x, mw.w[h][i][1] = v.y, mw.w[h][i][2] = v.z, mw.w[h][i][3] = v.w;
       } else {  // a last partial group: [lane][WORDS]
 #pragma unroll
-        for (int cc = 0; cc < WORDS; ++cc) {
-          const uint32_t* p = reinterpret_cast<const uint32_t*>(base) + (t + 4 * i) * WORDS + cc;
-          mw.w[h][i][cc] = kOnce ? __ldcs(p) : __ldg(p);
-        }
+        for (int cc = 0; cc < WORDS; ++cc)
+          mw.w[h][i][cc] = load(reinterpret_cast<const uint32_t*>(base) + (t + 4 * i) * WORDS + cc);
       }
     }
-    const __half* scales = w.scales + rows[h] * w.n_groups;
-    const uint8_t* zeros = w.zeros ? w.zeros + rows[h] * w.n_groups : nullptr;
+    const __half* scales = rows.scales(h);
+    const uint8_t* zeros = rows.zeros(h);
 #pragma unroll
     for (int cc = 0; cc < WORDS; ++cc)
 #pragma unroll
@@ -116,6 +109,32 @@ __device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int6
         mw.z[h][cc][set] = (0x6400u | zlo) | (0x6400u | zhi) << 16;
       }
   }
+}
+
+// Two rows of an INT4 matrix in global memory, for mma_weights_fill.
+struct MmaGlobalRows {
+  const Int4Weight& w;
+  const int64_t (&rows)[2];
+  int64_t k;
+  __device__ __forceinline__ const uint8_t* codes(int h) const { return w.codes + rows[h] * (k / 2); }
+  __device__ __forceinline__ const __half* scales(int h) const { return w.scales + rows[h] * w.n_groups; }
+  __device__ __forceinline__ const uint8_t* zeros(int h) const {
+    return w.zeros ? w.zeros + rows[h] * w.n_groups : nullptr;
+  }
+};
+
+// Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0] and rows[1]. When the codes
+// are read once a step (kOnce: a GEMV, or the experts of a single token), they are loaded
+// evict-first (ld.global.cs), so that the K/V rows decode attention prefetched stay in L2 (Qwen3
+// INT4 at depth 8192 +7%, BENCHMARKS.md); the experts of a batch, which several tokens may share,
+// are not (evict-first cost 3% at batch 8). A compile-time choice: chosen at run time, the two
+// loads cost 3.6% at batch 1. Nor the scales: the warps of a row share their 32-byte sectors, which
+// evict-first lost between them (−2% at depth 8192).
+template <int CPG, int WORDS, bool kOnce>
+__device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int64_t (&rows)[2], int64_t k,
+                                                 int64_t q, MmaWeights<CPG>& mw) {
+  mma_weights_fill<CPG, WORDS>(MmaGlobalRows{w, rows, k}, int(w.group_shift), q,
+                               [](const auto* p) { return kOnce ? __ldcs(p) : __ldg(p); }, mw);
 }
 
 // Independent accumulators: consecutive mma of a warp would otherwise wait on each other's result

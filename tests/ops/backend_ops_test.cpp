@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -128,6 +129,44 @@ TEST_F(OpsTest, Linear) {
       }
     }
   }
+}
+
+// The streamed INT4 GEMV (kernels/int4_stream.cuh: one token, taken where NIBBLE_INT4_STREAM is
+// set on an sm_90+ GPU, whole 16-row tiles, k % 256 == 0) against the CPU reference: K from one
+// partial group of 1024 (768: eight tiles at once) to nine groups (9216: a warp's second group), a
+// partial last group (4352), every group size, zero points or none, a bias, the fused RMS norm and
+// the residual add; 20000 x 256 has more tiles than a wave of blocks. Its products are the register
+// GEMV's (mma_group_dot on the same words): the same tolerance.
+TEST_F(OpsTest, LinearInt4Streamed) {
+  ::setenv("NIBBLE_INT4_STREAM", "1", 1);
+  for (auto [group, symmetric] : {std::pair<int64_t, bool>{32, false}, {64, false}, {128, false}, {128, true}, {-1, false}})
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{4096, 2048}, {2048, 768}, {64, 4096}, {16, 9216}, {5120, 2048},
+                        {2048, 4352}, {20000, 256}}) {
+      const std::string what = fmt::format("g{}{} n={} k={}", group, symmetric ? " sym" : "", n, k);
+      LinearWeight host = random_weight(WeightFormat::kInt4, n, k, group, n == 2048, symmetric);
+      LinearWeight dev = gpu_->upload(host);
+      auto x = random(k, 3.f);
+      std::vector<float> want(size_t(n));
+      cpu_->linear(host, x.data(), 1, want.data());
+      float* out = poisoned_gpu(n);
+      gpu_->linear(dev, on_gpu(x), 1, out);
+      expect_close(to_host(out, n), want, "streamed linear " + what, kF16Tolerance);
+
+      WeightVector norm = host_vector(random(k));
+      cpu_->rms_norm_linear(x.data(), norm, 1e-6f, host, 1, want.data());
+      out = poisoned_gpu(n);
+      gpu_->rms_norm_linear(on_gpu(x), gpu_->upload(norm), 1e-6f, dev, 1, out);
+      expect_close(to_host(out, n), want, "streamed rms_norm_linear " + what, kF16Tolerance);
+
+      auto residual = random(n, 2.f);
+      want = residual;
+      cpu_->linear_add(host, x.data(), 1, want.data());
+      float* res = on_gpu(residual);
+      gpu_->linear_add(dev, on_gpu(x), 1, res);
+      expect_close(to_host(res, n), want, "streamed linear_add " + what, kF16Tolerance);
+      release_buffers();
+    }
+  ::unsetenv("NIBBLE_INT4_STREAM");
 }
 
 // Prefill-sized 16-bit linears (more than 8 rows) go to cuBLASLt with x split into two 16-bit

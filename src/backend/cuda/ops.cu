@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+#include <string_view>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
@@ -19,6 +20,7 @@
 #include "kernels/gemv.cuh"
 #include "kernels/gemv_mma.cuh"
 #include "kernels/gemv_mxfp4.cuh"
+#include "kernels/int4_stream.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/moe_mxfp4.cuh"
@@ -296,8 +298,55 @@ void dispatch_mxfp4_split(int64_t k, int64_t n, Fn&& fn) {
     fn(integral_constant<int, 1>{}, integral_constant<int, 8>{}, b4);
 }
 
+// The streamed INT4 GEMV (kernels/int4_stream.cuh) for one token where NIBBLE_INT4_STREAM is set:
+// the INT4 tile consumer of the persistent decode step (docs/persistent-decode.md), checked
+// against the CPU reference on its own (OpsTest.LinearInt4Streamed). Not yet measured, so off by
+// default (unset, empty or 0); the variable is read at each call, so that one process can run
+// both paths. The stages
+// that fit (at least the tiles the consumers take at once), 0 where the register GEMV takes it.
+constexpr int kInt4StreamWarps = 8;
+
+static int gemv_int4_stream_stages(const Int4Device& w, int64_t m, int64_t n, int64_t k, const GemvIo& io) {
+  constexpr int W = kInt4StreamWarps;
+  const char* on = std::getenv("NIBBLE_INT4_STREAM");
+  if (!on || !*on || std::string_view(on) == "0" || m != 1 || io.normed_out || io.staged_out || n % 16 != 0 ||
+      k % 256 != 0 || (io.norm && k / 4 > kernels::kInt4StreamStageUnits * 32 * (W + 1)) || !clusters_supported())
+    return 0;
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (!aligned(w.codes) || !aligned(w.scales) || (w.zeros && !aligned(w.zeros))) return 0;
+  static const int optin = [] {
+    int bytes = 0;
+    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
+    return bytes;
+  }();
+  const bool zeros = w.zeros != nullptr;
+  const int64_t base = kernels::int4_stream_smem(k, w.n_groups, zeros, 0, W);
+  const int64_t per_stage = kernels::int4_stream_smem(k, w.n_groups, zeros, 1, W) - base;
+  const int batch = kernels::int4_stream_batch(k, W);
+  const int stages = int(std::min<int64_t>(std::max(batch, 2), (optin - 2048 - base) / per_stage));
+  return stages >= batch ? stages : 0;
+}
+
+static void gemv_int4_stream(const Int4Device& w, const float* bias, const float* x, float* y, int64_t n, int64_t k,
+                             const GemvIo& io, int stages) {
+  constexpr int W = kInt4StreamWarps, threads = 32 * (W + 1);
+  const kernels::Int4Weight kw = to_kernel(w);
+  const size_t smem = size_t(kernels::int4_stream_smem(k, w.n_groups, w.zeros != nullptr, stages, W));
+  dispatch_norm(io, [&](auto kNorm) {
+    dispatch_cpg(w.group_shift, [&](auto CPG) {
+      const auto kernel = kernels::gemv_int4_stream_kernel<CPG.value, W, kNorm.value>;
+      allow_smem(kernel, smem);
+      const int64_t resident = int64_t(resident_blocks(kernel, threads, smem)) * int64_t(sm_count());
+      launch_pdl_smem(kernel, unsigned(std::min<int64_t>(n / 16, resident)), threads, smem, kw, bias, x, y, n, k,
+                      to_kernel(io), stages);
+    });
+  });
+}
+
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k, const GemvIo& io) {
+  if (const int stages = gemv_int4_stream_stages(w, m, n, k, io); stages > 0)
+    return gemv_int4_stream(w, bias, x, y, n, k, io, stages);
   const kernels::Int4Weight kw = to_kernel(w);
   const size_t smem = size_t(kernels::mma_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
