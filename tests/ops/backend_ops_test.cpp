@@ -146,7 +146,7 @@ TEST_F(OpsTest, LinearInt4Streamed) {
       LinearWeight host = random_weight(WeightFormat::kInt4, n, k, group, n == 2048, symmetric);
       LinearWeight dev = gpu_->upload(host);
       auto x = random(k, 3.f);
-      std::vector<float> want(size_t(n));
+      std::vector<float> want(static_cast<size_t>(n));
       cpu_->linear(host, x.data(), 1, want.data());
       float* out = poisoned_gpu(n);
       gpu_->linear(dev, on_gpu(x), 1, out);
