@@ -31,8 +31,9 @@
 //     persistent, pdl:    phase p's tiles only after phase p - 2's barrier (PDL's lookahead)
 //     persistent, serial: phase p's tiles only after phase p - 1's barrier
 //     barriers and rows only (no bytes): the floor the dependency chain alone sets
-// The consumers' arithmetic is `work` dependent multiply-adds a 16-byte unit (8: about an INT4
-// unit's dequantisation and mma).
+// The consumers' arithmetic is `work` dependent multiply-adds a 16-byte unit. A calibration first
+// times the real INT4 products (kernels/int4_stream.cuh) on a staged tile against work 0, 8 and
+// 24, so the work that stands for them can be read off.
 // Run by hand on the GPU: build/cuda/persistent_bench [work]
 #include <cuda_runtime.h>
 
@@ -45,6 +46,7 @@
 
 #include "bench_common.cuh"
 #include "kernels/bulk_copy.cuh"
+#include "kernels/int4_stream.cuh"
 #include "kernels/pdl.cuh"
 #include "kernels/step_sync.cuh"
 
@@ -306,6 +308,47 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 1)
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
+// What `work` stands for: the consumers' time on a tile already in shared memory, synthetic
+// against the real INT4 products (kernels/int4_stream.cuh's int4_stage_dot: a Qwen3 tile of 16
+// rows x 2048 k, group 128, no zero points, two warps a tile and four tiles at once, as the
+// streamed GEMV takes them). No DRAM: each block stages one tile and consumes it `rounds` times.
+constexpr int64_t kCalK = 2048, kCalGroups = kCalK / 128;
+
+template <bool kInt4>
+__global__ void __launch_bounds__(32 * kConsumers, 1)
+    consume_calibration_kernel(const uint8_t* __restrict__ src, int rounds, int work, uint32_t* sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int64_t stage_bytes = int4_stream_stage_bytes(kCalK, kCalGroups, false);
+  __half* xs = reinterpret_cast<__half*>(smem + stage_bytes);
+  for (int64_t i = threadIdx.x; i < stage_bytes / 16; i += blockDim.x)
+    reinterpret_cast<uint4*>(smem)[i] = reinterpret_cast<const uint4*>(src)[i];
+  // Finite scales and activations, so the products are ordinary numbers.
+  auto* scales = reinterpret_cast<__half*>(smem + int4_stream_scales_offset(kCalK));
+  for (int i = threadIdx.x; i < 16 * kCalGroups; i += blockDim.x) scales[i] = __float2half(0.01f * (1 + i % 7));
+  for (int i = threadIdx.x; i < kCalK; i += blockDim.x) xs[i] = __float2half(0.001f * (i % 13));
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint32_t acc_bits = 0;
+  if constexpr (kInt4) {
+    const int tile_warps = int4_stream_tile_warps(kCalK, kConsumers);
+    const uint2* xb = mma_x_units(xs, kCalK, 1);
+    for (int r = 0; r < rounds; ++r) {  // each round: `batch` tiles (the same stage)
+      asm volatile("" ::: "memory");     // the stage is read again each round, not kept in registers
+      float acc[kMmaChains][4] = {};
+      int4_stage_dot<4>(Int4StageRows{smem, kCalK, kCalGroups, false}, 7, warp % tile_warps, tile_warps, xb, acc);
+      acc_bits += __float_as_uint(mma_chains_sum(acc).x);
+    }
+  } else {
+    const int units = int(stage_bytes / 16);
+    for (int r = 0; r < rounds; ++r) {  // each round: one tile, all warps
+      asm volatile("" ::: "memory");
+      for (int u = threadIdx.x; u < units; u += 32 * kConsumers) use_unit(reinterpret_cast<const uint4*>(smem)[u], work, acc_bits);
+      __syncwarp();
+    }
+  }
+  if (acc_bits == 0x9e3779b9u && lane == 0) sink[warp] = acc_bits;
+}
+
 struct PhaseShape {
   const char* name;
   double bytes;
@@ -345,6 +388,37 @@ double median_us(cudaStream_t stream, Run&& run) {
   BENCH_CHECK(cudaEventDestroy(b));
   std::sort(times.begin(), times.end());
   return 1000.0 * times[times.size() / 2];
+}
+
+void calibrate_consumers(int sms) {
+  const int64_t stage_bytes = int4_stream_stage_bytes(kCalK, kCalGroups, false);
+  uint8_t* src = nullptr;
+  uint32_t* sink = nullptr;
+  BENCH_CHECK(cudaMalloc(&src, stage_bytes));
+  BENCH_CHECK(cudaMalloc(&sink, 64));
+  kernel_bench::fill_bytes_kernel<<<64, 256>>>(src, stage_bytes, 5u, 0u, 256u);
+  const size_t smem = size_t(stage_bytes + 2 * (kCalK + 16));
+  const int rounds = 2000;
+  cudaStream_t stream;
+  BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::printf("\nconsumers on a staged %lld-byte INT4 tile (16 x %lld, group 128), no DRAM: ns a tile an SM\n",
+              (long long)stage_bytes, (long long)kCalK);
+  const double int4_tiles = double(rounds) * int4_stream_batch(kCalK, kConsumers);
+  const double us_int4 = median_us(stream, [&](cudaStream_t s) {
+    consume_calibration_kernel<true><<<sms, 32 * kConsumers, smem, s>>>(src, rounds, 0, sink);
+  });
+  std::printf("%-44s %8.1f\n", "int4_stage_dot (the streamed GEMV's products)", 1000.0 * us_int4 / int4_tiles);
+  for (int work : {0, 8, 24}) {
+    const double us = median_us(stream, [&](cudaStream_t s) {
+      consume_calibration_kernel<false><<<sms, 32 * kConsumers, smem, s>>>(src, rounds, work, sink);
+    });
+    char name[64];
+    std::snprintf(name, sizeof name, "synthetic, work %d", work);
+    std::printf("%-44s %8.1f\n", name, 1000.0 * us / rounds);
+  }
+  BENCH_CHECK(cudaStreamDestroy(stream));
+  BENCH_CHECK(cudaFree(src));
+  BENCH_CHECK(cudaFree(sink));
 }
 
 void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tbs) {
@@ -555,6 +629,7 @@ int main(int argc, char** argv) {
   }
   const double tbs = copy_bandwidth_tbs();
   std::printf("%d SMs, copy bandwidth %.2f TB/s, consumer work %d a 16-byte unit\n", sms, tbs, work);
+  calibrate_consumers(sms);
   // INT4 group 128 with f16 scales and zero points: 0.5 + 4/128 bytes a weight.
   const double int4 = 0.5 + 4.0 / 128, mxfp4 = 0.5 + 1.0 / 32;
   for (double depth : {0.0, 8192.0}) {
