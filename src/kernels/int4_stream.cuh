@@ -29,37 +29,16 @@
 
 #include "kernels/bulk_copy.cuh"
 #include "kernels/gemv_mma.cuh"
+#include "kernels/int4_stream_layout.h"
 #include "kernels/pdl.cuh"
 
 namespace nibble::kernels {
-
-// A staged code row: k/2 bytes padded to 64 mod 128.
-__host__ __device__ constexpr int64_t int4_stream_row_stride(int64_t k) { return k / 2 + (192 - (k / 2) % 128) % 128; }
-__host__ __device__ constexpr int64_t int4_stream_scales_offset(int64_t k) { return 16 * int4_stream_row_stride(k); }
-__host__ __device__ constexpr int64_t int4_stream_zeros_offset(int64_t k, int64_t n_groups) {
-  return int4_stream_scales_offset(k) + 32 * n_groups;
-}
-__host__ __device__ constexpr int64_t int4_stream_stage_bytes(int64_t k, int64_t n_groups, bool zeros) {
-  return (int4_stream_zeros_offset(k, n_groups) + (zeros ? 16 * n_groups : 0) + 127) / 128 * 128;
-}
-
-// Groups of 1024 k (4 chunks) in a row, warps busy on one tile, tiles consumed at once.
-__host__ __device__ constexpr int int4_stream_quads(int64_t k) { return int((k / 256 + 3) / 4); }
-__host__ __device__ constexpr int int4_stream_tile_warps(int64_t k, int warps) {
-  return int4_stream_quads(k) < warps ? int4_stream_quads(k) : warps;
-}
-__host__ __device__ constexpr int int4_stream_batch(int64_t k, int warps) { return warps / int4_stream_tile_warps(k, warps); }
 
 // The normed row is staged in one pass of at most this many float4 units a thread (k <= 9216 for
 // the launcher's 288 threads).
 constexpr int kInt4StreamStageUnits = 8;
 
-// Dynamic shared memory: the ring, its two barriers a stage, the partial sums of a batch
-// ([batch][tile warps][16] floats), then the staged activation row.
-__host__ __device__ constexpr int64_t int4_stream_x_offset(int64_t k, int64_t n_groups, bool zeros, int stages,
-                                                           int warps) {
-  return stages * (int4_stream_stage_bytes(k, n_groups, zeros) + 16) + int64_t(warps) * 16 * 4;
-}
+// Dynamic shared memory: int4_stream_x_offset's, then the staged activation row.
 __host__ __device__ constexpr int64_t int4_stream_smem(int64_t k, int64_t n_groups, bool zeros, int stages, int warps) {
   return int4_stream_x_offset(k, n_groups, zeros, stages, warps) + mma_x_bytes(1, k);
 }
