@@ -4,14 +4,11 @@
 // GEMV's own products (kernels/gemv_mma.cuh: MmaWeights filled from the stage, mma_group_dot).
 // The INT4 counterpart of kernels/mxfp4_stream.cuh, and the consumer of INT4 tiles that the
 // persistent decode step (docs/persistent-decode.md) is built from; as a launch of its own it
-// serves one token's GEMV when NIBBLE_INT4_STREAM is set (ops.cu), which is how OpsTest checks it
+// serves one token's GEMV when switched on (ops.cu: NIBBLE_INT4_STREAM=1), which is how OpsTest checks it
 // against the CPU reference.
 //
-// A stage is one 16-row tile over all of K: 16 code rows of k/2 bytes in the warp-interleaved
-// layout (groups of 4 chunks stored [lane][4 words]), each copied into a row padded to 64 mod 128
-// bytes so that a quarter-warp's 16-byte loads of rows g and g + 1 fall in different banks; then
-// the tile's scales [16][n_groups] f16 and zero points [16][n_groups] (one copy each: rows of a
-// tile are contiguous in both).
+// A stage is one 16-row tile over all of K: its 16 code rows, each copied into a padded row, then
+// its scales and zero points (kernels/int4_stream_layout.h: the offsets and why, proved on the CPU).
 //
 // Split: a lane's 16-byte unit holds a word of each of 4 chunks, so a warp owns whole groups of
 // 1024 k (`quads`); a tile keeps min(quads, W) warps busy and the W consumer warps take

@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -24,6 +23,10 @@
 #include "core/status.h"
 #include "model/model.h"
 #include "gpu_compare.h"
+
+#if defined(NIBBLE_HAVE_CUDA)
+#include "backend/cuda/launch.h"
+#endif
 
 namespace nibble {
 namespace {
@@ -131,14 +134,16 @@ TEST_F(OpsTest, Linear) {
   }
 }
 
-// The streamed INT4 GEMV (kernels/int4_stream.cuh: one token, taken where NIBBLE_INT4_STREAM is
-// set on an sm_90+ GPU, whole 16-row tiles, k % 256 == 0) against the CPU reference: K from one
+// The streamed INT4 GEMV (kernels/int4_stream.cuh: one token, taken when switched on, on an sm_90+
+// GPU, whole 16-row tiles, k % 256 == 0) against the CPU reference: K from one
 // partial group of 1024 (768: eight tiles at once) to nine groups (9216: a warp's second group), a
 // partial last group (4352), every group size, zero points or none, a bias, the fused RMS norm and
 // the residual add; 20000 x 256 has more tiles than a wave of blocks. Its products are the register
 // GEMV's (mma_group_dot on the same words): the same tolerance.
 TEST_F(OpsTest, LinearInt4Streamed) {
-  ::setenv("NIBBLE_INT4_STREAM", "1", 1);
+#if defined(NIBBLE_HAVE_CUDA)
+  cuda::set_int4_stream(true);
+#endif
   for (auto [group, symmetric] : {std::pair<int64_t, bool>{32, false}, {64, false}, {128, false}, {128, true}, {-1, false}})
     for (auto [n, k] : {std::pair<int64_t, int64_t>{4096, 2048}, {2048, 768}, {64, 4096}, {16, 9216}, {5120, 2048},
                         {2048, 4352}, {20000, 256}}) {
@@ -166,7 +171,9 @@ TEST_F(OpsTest, LinearInt4Streamed) {
       expect_close(to_host(res, n), want, "streamed linear_add " + what, kF16Tolerance);
       release_buffers();
     }
-  ::unsetenv("NIBBLE_INT4_STREAM");
+#if defined(NIBBLE_HAVE_CUDA)
+  cuda::set_int4_stream(false);
+#endif
 }
 
 // Prefill-sized 16-bit linears (more than 8 rows) go to cuBLASLt with x split into two 16-bit

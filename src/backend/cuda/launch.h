@@ -43,6 +43,9 @@ void linear_dense(Dense type, const void* w, const float* bias, const float* x, 
 void linear_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros, const float* bias,
                  const float* x, float* y, int64_t m, int64_t n, int64_t k, int64_t group_size,
                  int64_t n_groups);
+// The streamed INT4 GEMV for one token (kernels/int4_stream.cuh) in place of the register GEMV:
+// off by default, NIBBLE_INT4_STREAM=1 at start, or this (OpsTest runs both paths).
+void set_int4_stream(bool on);
 // Row-major INT4 codes [n][k/2] -> the warp-interleaved layout (k % 256 == 0), device to device.
 void int4_interleave(const uint8_t* src, uint8_t* dst, int64_t n, int64_t k);
 // What a decode GEMV does around the product: with `norm`, the input rows are RMS-normalised

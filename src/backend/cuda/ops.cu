@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
@@ -298,32 +299,36 @@ void dispatch_mxfp4_split(int64_t k, int64_t n, Fn&& fn) {
     fn(integral_constant<int, 1>{}, integral_constant<int, 8>{}, b4);
 }
 
-// The streamed INT4 GEMV (kernels/int4_stream.cuh) for one token where NIBBLE_INT4_STREAM is set:
-// the INT4 tile consumer of the persistent decode step (docs/persistent-decode.md), checked
-// against the CPU reference on its own (OpsTest.LinearInt4Streamed). Not yet measured, so off by
-// default (unset, empty or 0); the variable is read at each call, so that one process can run
-// both paths. The stages
-// that fit (at least the tiles the consumers take at once), 0 where the register GEMV takes it.
+// The streamed INT4 GEMV (kernels/int4_stream.cuh) for one token: the INT4 tile consumer of the
+// persistent decode step (docs/persistent-decode.md), checked against the CPU reference on its own
+// (OpsTest.LinearInt4Streamed). Not yet measured, so off unless NIBBLE_INT4_STREAM=1 (read once)
+// or set_int4_stream(true). The stages that fit (at least the tiles the consumers take at once),
+// 0 where the register GEMV takes it.
 constexpr int kInt4StreamWarps = 8;
+
+static std::atomic<int>& int4_stream_switch() {
+  static std::atomic<int> on{[] {
+    const char* env = std::getenv("NIBBLE_INT4_STREAM");
+    return env && std::string_view(env) == "1" ? 1 : 0;
+  }()};
+  return on;
+}
+
+void set_int4_stream(bool on) { int4_stream_switch().store(on ? 1 : 0, std::memory_order_relaxed); }
 
 static int gemv_int4_stream_stages(const Int4Device& w, int64_t m, int64_t n, int64_t k, const GemvIo& io) {
   constexpr int W = kInt4StreamWarps;
-  const char* on = std::getenv("NIBBLE_INT4_STREAM");
-  if (!on || !*on || std::string_view(on) == "0" || m != 1 || io.normed_out || io.staged_out || n % 16 != 0 ||
-      k % 256 != 0 || (io.norm && k / 4 > kernels::kInt4StreamStageUnits * 32 * (W + 1)) || !clusters_supported())
+  if (m != 1 || !int4_stream_switch().load(std::memory_order_relaxed) || io.normed_out || io.staged_out ||
+      n % 16 != 0 || k % 256 != 0 || (io.norm && k / 4 > kernels::kInt4StreamStageUnits * 32 * (W + 1)) ||
+      !clusters_supported())
     return 0;
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (!aligned(w.codes) || !aligned(w.scales) || (w.zeros && !aligned(w.zeros))) return 0;
-  static const int optin = [] {
-    int bytes = 0;
-    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
-    return bytes;
-  }();
   const bool zeros = w.zeros != nullptr;
   const int64_t base = kernels::int4_stream_smem(k, w.n_groups, zeros, 0, W);
   const int64_t per_stage = kernels::int4_stream_smem(k, w.n_groups, zeros, 1, W) - base;
   const int batch = kernels::int4_stream_batch(k, W);
-  const int stages = int(std::min<int64_t>(std::max(batch, 2), (optin - 2048 - base) / per_stage));
+  const int stages = int(std::min<int64_t>(std::max(batch, 2), (smem_optin_bytes() - 2048 - base) / per_stage));
   return stages >= batch ? stages : 0;
 }
 
@@ -625,11 +630,7 @@ constexpr int kMxfp4StreamGateUpBlocks = 3;  // registers for 3 blocks an SM
 // The most stages, up to `wanted`, that fit one block of the streamed kernels (W consumer warps,
 // K = k, `extra` bytes of staged input) in the shared memory a block may opt in to.
 static int mxfp4_stream_fit(int64_t k, int warps, int64_t extra, int wanted) {
-  static const int optin = [] {
-    int bytes = 0;
-    cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
-    return bytes;
-  }();
+  const int64_t optin = smem_optin_bytes();
   const int64_t per_stage = kernels::mxfp4_stream_smem(k, 1, warps, 0) - kernels::mxfp4_stream_smem(k, 0, warps, 0);
   const int64_t fit = (optin - 2048 - kernels::mxfp4_stream_smem(k, 0, warps, extra)) / per_stage;
   return int(std::min<int64_t>(wanted, fit));

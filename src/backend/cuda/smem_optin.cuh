@@ -29,4 +29,14 @@ void allow_smem(void (*kernel)(Params...), size_t bytes) {
   allowed = bytes;
 }
 
+// The bytes of shared memory one block may opt in to on this device (read once).
+inline int smem_optin_bytes() {
+  static const int bytes = [] {
+    int b = 0;
+    cudaDeviceGetAttribute(&b, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
+    return b;
+  }();
+  return bytes;
+}
+
 }  // namespace nibble::cuda
