@@ -34,7 +34,7 @@
 // The consumers' arithmetic is `work` dependent multiply-adds a 16-byte unit. A calibration first
 // times the real INT4 products (kernels/int4_stream.cuh) on a staged tile against work 0, 8 and
 // 24, so the work that stands for them can be read off.
-// Run by hand on the GPU: build/cuda/persistent_bench [work]
+// Run by hand on the GPU: build/cuda90/persistent_bench [work] [--layers-only]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -421,7 +421,7 @@ void calibrate_consumers(int sms) {
   BENCH_CHECK(cudaFree(sink));
 }
 
-void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tbs) {
+void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tbs, bool layers_only) {
   std::vector<PhaseShape> layer = m.phases;
   double layer_bytes = 0;
   int max_tile = 0;
@@ -527,7 +527,7 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
     time_persistent(name, (const void*)step_kernel, 32 * (kConsumers + 1), smem, args, bytes);
   };
   // One PDL launch a phase, captured as a graph (as nibble replays its decode steps).
-  auto time_graph = [&](const char* name, auto&& launch_phase) {
+  auto time_graph = [&](const char* name, auto&& launch_phase, double bytes = -1) {
     cudaGraph_t graph;
     BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     for (int p = 0; p < n; ++p) {
@@ -545,25 +545,72 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
     BENCH_CHECK(cudaStreamEndCapture(stream, &graph));
     cudaGraphExec_t exec;
     BENCH_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    report(name, median_us(stream, [&](cudaStream_t s) { BENCH_CHECK(cudaGraphLaunch(exec, s)); }), step_bytes);
+    const double us = median_us(stream, [&](cudaStream_t s) { BENCH_CHECK(cudaGraphLaunch(exec, s)); });
+    report(name, us, bytes < 0 ? step_bytes : bytes);
     BENCH_CHECK(cudaGraphExecDestroy(exec));
     BENCH_CHECK(cudaGraphDestroy(graph));
+    return us;
   };
   char name[96];
   std::printf("-- weights in registers (as the shipped kernels)\n");
-  time_graph("layers: one PDL launch a phase", [&](cudaLaunchConfig_t& config, int p, const float* in, float* out) {
-    config.blockDim = dim3(32 * kConsumers);
-    BENCH_CHECK(cudaLaunchKernelEx(&config, phase_registers_kernel, table[size_t(p)], p, work, in, out, m.act_floats,
-                                   sink));
-  });
+  auto layers_on = [&](const std::vector<Phase>& phases) {
+    return [&](cudaLaunchConfig_t& config, int p, const float* in, float* out) {
+      config.blockDim = dim3(32 * kConsumers);
+      BENCH_CHECK(cudaLaunchKernelEx(&config, phase_registers_kernel, phases[size_t(p)], p, work, in, out,
+                                     m.act_floats, sink));
+    };
+  };
+  const double layers_us = time_graph("layers: one PDL launch a phase", layers_on(table));
+  // The same launches, each block taking more than half an SM's shared memory, so that a launch's
+  // blocks cannot sit beside its predecessor's (as when two kernels' registers do not fit one SM
+  // together): what the next phase's early loads are worth.
   {
+    const int pad = optin / 2 + 1024;
+    BENCH_CHECK(cudaFuncSetAttribute(phase_registers_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pad));
+    auto alone = layers_on(table);
+    time_graph("layers, one block an SM (none beside the last)", [&](cudaLaunchConfig_t& config, int p,
+                                                                      const float* in, float* out) {
+      config.dynamicSmemBytes = size_t(pad);
+      alone(config, p, in, out);
+    });
+    std::vector<Phase> none = table;
+    for (auto& ph : none) ph.tiles = 0;
+    auto alone_none = layers_on(none);
+    time_graph("  the same, no bytes", [&](cudaLaunchConfig_t& config, int p, const float* in, float* out) {
+      config.dynamicSmemBytes = size_t(pad);
+      alone_none(config, p, in, out);
+    }, 0);
+  }
+  // Where the per-kernel design's layer goes, a phase at a time, to set beside `nibble bench
+  // --profile`'s table of kernels: every launch as above, but only one phase of each layer has its
+  // bytes (the others stage their rows and end). Its time less the chain's (no bytes at all) is
+  // what that phase adds; what the phases add together less the whole says how much they overlap.
+  {
+    std::vector<Phase> none = table;
+    for (auto& ph : none) ph.tiles = 0;
+    const double chain_us = time_graph("layers, no bytes (the launches' chain)", layers_on(none));
+    double added = 0;
+    for (size_t i = 0; i < layer.size(); ++i) {
+      std::vector<Phase> one = none;
+      for (size_t p = i; p < one.size(); p += layer.size()) one[p].tiles = table[p].tiles;
+      std::snprintf(name, sizeof name, "layers, %s's bytes only", layer[i].name);
+      const double us = time_graph(name, layers_on(one), layer[i].bytes * m.layers);
+      std::printf("%-44s %10s %10.2f\n", "  what it adds", "", (us - chain_us) / m.layers);
+      added += us - chain_us;
+    }
+    std::printf("%-44s %10s %10.2f  (the phases' sum less the whole: %.2f a layer overlapped)\n",
+                "chain + every phase's addition", "", (chain_us + added) / m.layers,
+                (chain_us + added - layers_us) / m.layers);
+  }
+  if (!layers_only) {
     const Phase* d_phases = d_table;
     void* args[] = {(void*)&d_phases, &n_phases, &w, &counters, &epoch, &act, &act_floats, &sink};
     time_persistent("persistent: one launch, grid barriers", (const void*)step_registers_kernel, 32 * kConsumers, 0,
                     args, step_bytes);
   }
-  std::printf("-- weights through a shared-memory ring (a producer warp an SM)\n");
+  if (!layers_only) std::printf("-- weights through a shared-memory ring (a producer warp an SM)\n");
   for (int stages : {2, 4}) {
+    if (layers_only) break;
     const size_t smem = size_t(stages) * max_tile + 16 * size_t(stages);
     BENCH_CHECK(cudaFuncSetAttribute(phase_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     std::snprintf(name, sizeof name, "layers: one PDL launch a phase, %d stages", stages);
@@ -576,11 +623,12 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
   }
   for (int stages : {2, 4, 8, 13})
     for (int mode : {kAhead, kPdl, kSerial}) {
+      if (layers_only) break;
       static const char* modes[] = {"ahead", "pdl", "serial"};
       std::snprintf(name, sizeof name, "persistent, %s, %d stages of %d KB", modes[mode], stages, max_tile / 1024);
       time_ring(name, d_table, mode, stages, step_bytes);
     }
-  time_ring("persistent, barriers and rows only (no bytes)", d_empty, kAhead, 2, 0);
+  if (!layers_only) time_ring("persistent, barriers and rows only (no bytes)", d_empty, kAhead, 2, 0);
   BENCH_CHECK(cudaStreamDestroy(stream));
   BENCH_CHECK(cudaFree(buf));
   BENCH_CHECK(cudaFree(d_table));
@@ -614,6 +662,7 @@ double copy_bandwidth_tbs() {
 
 int main(int argc, char** argv) {
   const int work = argc > 1 ? std::atoi(argv[1]) : 8;
+  const bool layers_only = argc > 2 && std::string(argv[2]) == "--layers-only";
   int sms = 0, optin = 0, coop = 0, major = 0;
   BENCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   if (major < 9) {
@@ -642,7 +691,7 @@ int main(int argc, char** argv) {
                       {"router", 128 * 2048 * 2, 16384, false},
                       {"gate_up", 8 * 1536 * 2048 * int4, 16384, true},
                       {"down", 8 * 2048 * 768 * int4, 16384, true}}};
-    run_model(qwen3, sms, optin, work, tbs);
+    run_model(qwen3, sms, optin, work, tbs, layers_only);
   }
   // gpt-oss-20b with every layer in MXFP4: hidden 2880, q 64 x 64, kv 8 x 64, 32 experts top 4.
   ModelShape oss{"gpt-oss-20b all-MXFP4, depth 0", 24, 2880,
@@ -652,6 +701,6 @@ int main(int argc, char** argv) {
                   {"router", 32 * 2880 * 2, 16384, false},
                   {"gate_up", 4 * 5760 * 2880 * mxfp4, 16384, true},
                   {"down", 4 * 2880 * 2880 * mxfp4, 16384, true}}};
-  run_model(oss, sms, optin, work, tbs);
+  run_model(oss, sms, optin, work, tbs, layers_only);
   return 0;
 }
