@@ -12,7 +12,7 @@
 //
 // A layer is a list of phases (bytes, tile size, and whether the producer must first wait for a
 // barrier: the experts are known only once the router's phase is done). Every phase ends in a
-// grid barrier (kernels/step_sync.cuh: a counter a phase, one release-add per block, polled with
+// grid barrier (step_sync.cuh beside this file: a counter a phase, one release-add per block, polled with
 // acquire loads, never reset, so a captured graph can replay the launch), and its consumers start
 // by reading the previous phase's output row from L2 (the activation staging of the real
 // kernels). The variants, each timed for a whole step (the persistent ones also as a replayed
@@ -45,10 +45,10 @@
 #include <vector>
 
 #include "bench_common.cuh"
+#include "step_sync.cuh"
 #include "kernels/bulk_copy.cuh"
 #include "kernels/int4_stream.cuh"
 #include "kernels/pdl.cuh"
-#include "kernels/step_sync.cuh"
 
 namespace {
 
@@ -456,7 +456,7 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
   BENCH_CHECK(cudaMalloc(&d_empty, n * sizeof(Phase)));
   BENCH_CHECK(cudaMemcpy(d_table, table.data(), n * sizeof(Phase), cudaMemcpyHostToDevice));
   BENCH_CHECK(cudaMemcpy(d_empty, empty_table.data(), n * sizeof(Phase), cudaMemcpyHostToDevice));
-  // The phase counters and, after them, the epoch (kernels/step_sync.cuh): zeroed once a variant,
+  // The phase counters and, after them, the epoch (step_sync.cuh): zeroed once a variant,
   // never between its launches.
   uint32_t* counters = nullptr;
   BENCH_CHECK(cudaMalloc(&counters, (n + 1) * 4));
@@ -561,6 +561,8 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
     };
   };
   const double layers_us = time_graph("layers: one PDL launch a phase", layers_on(table));
+  std::vector<Phase> none = table;  // every launch, no bytes: the chain alone
+  for (auto& ph : none) ph.tiles = 0;
   // The same launches, each block taking more than half an SM's shared memory, so that a launch's
   // blocks cannot sit beside its predecessor's (as when two kernels' registers do not fit one SM
   // together): what the next phase's early loads are worth.
@@ -573,8 +575,6 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
       config.dynamicSmemBytes = size_t(pad);
       alone(config, p, in, out);
     });
-    std::vector<Phase> none = table;
-    for (auto& ph : none) ph.tiles = 0;
     auto alone_none = layers_on(none);
     time_graph("  the same, no bytes", [&](cudaLaunchConfig_t& config, int p, const float* in, float* out) {
       config.dynamicSmemBytes = size_t(pad);
@@ -586,8 +586,6 @@ void run_model(const ModelShape& m, int sms, int optin, int work, double copy_tb
   // bytes (the others stage their rows and end). Its time less the chain's (no bytes at all) is
   // what that phase adds; what the phases add together less the whole says how much they overlap.
   {
-    std::vector<Phase> none = table;
-    for (auto& ph : none) ph.tiles = 0;
     const double chain_us = time_graph("layers, no bytes (the launches' chain)", layers_on(none));
     double added = 0;
     for (size_t i = 0; i < layer.size(); ++i) {

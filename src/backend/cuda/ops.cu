@@ -300,9 +300,10 @@ void dispatch_mxfp4_split(int64_t k, int64_t n, Fn&& fn) {
 }
 
 // The streamed INT4 GEMV (kernels/int4_stream.cuh) for one token: the INT4 tile consumer of the
-// persistent decode step (docs/persistent-decode.md), checked against the CPU reference on its own
-// (OpsTest.LinearInt4Streamed). Not yet measured, so off unless NIBBLE_INT4_STREAM=1 (read once)
-// or set_int4_stream(true). The stages that fit (at least the tiles the consumers take at once),
+// persistent decode step (docs/persistent-decode.md, measured and not built), checked against the
+// CPU reference on its own (OpsTest.LinearInt4Streamed). As a launch of its own it lost 0.6% to the
+// register GEMV in the decode step (BENCHMARKS.md, H200), so it is off unless NIBBLE_INT4_STREAM=1
+// (read once) or set_int4_stream(true). The stages that fit (at least the tiles the consumers take at once),
 // 0 where the register GEMV takes it.
 constexpr int kInt4StreamWarps = 8;
 

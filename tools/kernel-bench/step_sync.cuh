@@ -1,4 +1,5 @@
-// Phase counters for a persistent kernel (docs/persistent-decode.md): the blocks of one
+// Phase counters for a persistent kernel (docs/persistent-decode.md; used by persistent_bench.cu,
+// not by nibble: the persistent step was measured and not built): the blocks of one
 // cooperative launch (all resident) take a step's phases in order, and a block may start phase
 // p + 1's work, or a producer warp may issue the loads that depend on phase p, once every block
 // has finished phase p. Unlike a grid barrier, a wait names the phase it needs, so a producer can
