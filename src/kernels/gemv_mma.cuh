@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
   __shared__ int32_t s_expert;
   if (logits && warp == 0) {
     const float* l = logits + (blockIdx.x % replicas) * replica_stride + (slot / top_k) * n_experts;
-    const int32_t e = route_choice(l, n_experts, slot % top_k);
+    const int32_t e = route_choice_sized(l, n_experts, slot % top_k);
     if (lane == 0) s_expert = e;
   }
   NIBBLE_TIMELINE_MARK_AT(1);  // the expert known
@@ -466,7 +466,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
     int32_t e;
     if (tok_logits) {
       float logit;
-      e = route_choice(tok_logits, n_experts, s, &logit);
+      e = route_choice_sized(tok_logits, n_experts, s, &logit);
       if (lane == 0) s_logit[s] = logit;
       if (s == 0 && !normalize) {
         const float sum = route_softmax_sum(tok_logits, n_experts, logit);

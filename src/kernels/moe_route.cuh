@@ -123,6 +123,20 @@ __device__ __forceinline__ int32_t route_choice(const float* __restrict__ l, int
   return e;
 }
 
+// Where the expert kernels route for themselves (gemv_mma.cuh), route_choice with its loops sized
+// for at most 4 experts a lane (128) where the logits allow: the routing runs once a launch, by
+// one warp a block, from a cold instruction cache, and the 16-a-lane loops (512 experts) are ~4x
+// the code to fetch (Nsight Compute: the MoE down kernel's warps stall 1.9 cycles an instruction
+// waiting for instructions, BENCHMARKS.md). g_route_wide = 1 (NIBBLE_ROUTE_WIDE=1, A/B runs):
+// the 16-a-lane loops always.
+static __constant__ int g_route_wide = 0;
+
+__device__ __forceinline__ int32_t route_choice_sized(const float* __restrict__ l, int64_t n_experts, int64_t s,
+                                                      float* logit = nullptr) {
+  if (n_experts <= 128 && !g_route_wide) return route_choice<4>(l, n_experts, s, logit);
+  return route_choice(l, n_experts, s, logit);
+}
+
 // Σ exp(l - mx) over a token's logits, by one warp (the softmax's denominator).
 __device__ __forceinline__ float route_softmax_sum(const float* __restrict__ l, int64_t n_experts, float mx) {
   float sum = 0.f;

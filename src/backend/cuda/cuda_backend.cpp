@@ -121,6 +121,8 @@ class CudaBackend final : public Backend {
       NIBBLE_CHECK(parse_pdl_trigger(spec, &bits, &why_not), "{}", why_not);
       NIBBLE_CHECK(cuda::pdl_trigger_set(bits), "NIBBLE_PDL_TRIGGER: could not set the device symbol");
     }
+    if (const char* wide = std::getenv("NIBBLE_ROUTE_WIDE"); wide && std::string(wide) == "1")  // A/B runs
+      NIBBLE_CHECK(cuda::route_wide_set(true), "NIBBLE_ROUTE_WIDE: could not set the device symbol");
     // NIBBLE_TIMELINE=<file>: the in-kernel timeline of the newest 2M blocks, written at exit
     // (builds configured with -DNIBBLE_TIMELINE=ON; tools/timeline.py reads it).
     if (const char* path = std::getenv("NIBBLE_TIMELINE")) {

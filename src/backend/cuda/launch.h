@@ -196,5 +196,8 @@ bool timeline_dump(const std::string& path, std::string* why_not);
 
 // Sets the decode kernels' PDL trigger override (backend/pdl_trigger.h's bits); false on failure.
 bool pdl_trigger_set(uint32_t bits);
+// The expert kernels' routing loops sized for 512 experts even where the logits are fewer
+// (kernels/moe_route.cuh route_choice_sized; NIBBLE_ROUTE_WIDE=1, for A/B runs).
+bool route_wide_set(bool wide);
 
 }  // namespace nibble::cuda

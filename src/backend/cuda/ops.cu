@@ -855,6 +855,11 @@ bool pdl_trigger_set(uint32_t bits) {
   return cudaMemcpyToSymbol(kernels::g_pdl_trigger, &bits, sizeof(bits)) == cudaSuccess;
 }
 
+bool route_wide_set(bool wide) {
+  const int v = wide ? 1 : 0;
+  return cudaMemcpyToSymbol(kernels::g_route_wide, &v, sizeof(v)) == cudaSuccess;
+}
+
 #ifdef NIBBLE_TIMELINE
 namespace {
 kernels::TimelineRecord* g_host_timeline = nullptr;
