@@ -513,4 +513,144 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   }
 }
 
+// MoE decode, stage 2 with two warps a slot (kMoeDownSlots · 2 warps a block): warp (s, half)
+// takes rows g + 8·half of the tile alone, its A fragments of the other half zero. The work an SM
+// is the same, over twice the warps: Nsight Compute has the one-warp-a-slot kernel's warps waiting
+// ~8 cycles an instruction (weights, instruction fetch, fixed latencies) with two warps a
+// scheduler to issue from. Measured on the H200: tg128 +0.8% at depth 0, +0.9% at 8192
+// (BENCHMARKS.md). Batch 1 only (kOnce).
+template <int CPG>
+struct MmaRowWeights {
+  static constexpr int kSets = kMmaScaleSets<CPG>;
+  uint32_t w[8][4];
+  uint32_t s[4][kSets], z[4][kSets];
+};
+
+template <int CPG, int WORDS>
+__device__ __forceinline__ void mma_row_load(const Int4Weight& w, int64_t row, int64_t k, int64_t q,
+                                             MmaRowWeights<CPG>& mw) {
+  const int t = threadIdx.x % 4;
+  const int64_t c0 = 4 * q;
+  const uint8_t* base = w.codes + row * (k / 2) + c0 * 128;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if constexpr (WORDS == 4) {
+      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(base) + t + 4 * i);
+      mw.w[i][0] = v.x, mw.w[i][1] = v.y, mw.w[i][2] = v.z, mw.w[i][3] = v.w;
+    } else {
+#pragma unroll
+      for (int cc = 0; cc < WORDS; ++cc) mw.w[i][cc] = __ldcs(reinterpret_cast<const uint32_t*>(base) + (t + 4 * i) * WORDS + cc);
+    }
+  }
+  const __half* scales = w.scales + row * w.n_groups;
+  const uint8_t* zeros = w.zeros ? w.zeros + row * w.n_groups : nullptr;
+  const int shift = int(w.group_shift);
+#pragma unroll
+  for (int cc = 0; cc < WORDS; ++cc)
+#pragma unroll
+    for (int set = 0; set < MmaRowWeights<CPG>::kSets; ++set) {
+      const int64_t c = c0 + cc, p = set * (4 / MmaRowWeights<CPG>::kSets);
+      const int64_t lo = (256 * c + 32 * p) >> shift, hi = (256 * c + 32 * p + 128) >> shift;
+      mw.s[cc][set] = uint32_t(__half_as_ushort(scales[lo])) | uint32_t(__half_as_ushort(scales[hi])) << 16;
+      const uint32_t zlo = zeros ? zeros[lo] : 8u, zhi = zeros ? zeros[hi] : 8u;
+      mw.z[cc][set] = (0x6400u | zlo) | (0x6400u | zhi) << 16;
+    }
+}
+
+template <int CPG, int WORDS, int kHalf>
+__device__ __forceinline__ void mma_row_dot(const MmaRowWeights<CPG>& mw, int64_t q, const uint2* xb,
+                                            float (&acc)[kMmaChains][4]) {
+  constexpr int kPairsPerSet = 4 / MmaRowWeights<CPG>::kSets;
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int cc = 0; cc < WORDS; ++cc)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp) {
+        uint2 b = make_uint2(0u, 0u);
+        if (xb) b = xb[4 * gemv_mma_step(4 * q + cc, i, jp)];
+        uint32_t a[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int p = 2 * jp + r, set = p / kPairsPerSet;
+          a[2 * r + kHalf] = f16x2_sub_mul(nibbles_to_f16x2_plus_1024(mw.w[i][cc] >> (4 * p)), mw.z[cc][set], mw.s[cc][set]);
+        }
+        mma_f16(acc[jp], a, b.x, b.y);
+      }
+}
+
+template <int CPG>
+__global__ void __launch_bounds__(64 * kMoeDownSlots) moe_down_int4_half_kernel(
+    const Int4Weight* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
+    const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
+    float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate, int replicas,
+    int64_t replica_stride) {
+  const int warp = threadIdx.x / 32, s = warp / 2, half = warp % 2, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t tok = blockIdx.y, tile0 = int64_t(blockIdx.x) * 16;
+  NIBBLE_TIMELINE_BLOCK(kMoeDown);
+  __shared__ float s_logit[kMoeDownSlots], s_sum;
+  const float* tok_logits = logits ? logits + (blockIdx.x % replicas) * replica_stride + tok * n_experts : nullptr;
+  MmaRowWeights<CPG> mw;
+  Int4Weight wd{};
+  const int64_t row = tile0 + g + 8 * half < hidden ? tile0 + g + 8 * half : hidden - 1;
+  const int64_t quads = (inter / 256 + 3) / 4;
+  if (s < top_k) {
+    int32_t e;
+    if (tok_logits) {
+      float logit;
+      e = route_choice_sized(tok_logits, n_experts, s, &logit);
+      if (lane == 0 && half == 0) s_logit[s] = logit;
+      if (s == 0 && half == 0 && !normalize) {
+        const float sum = route_softmax_sum(tok_logits, n_experts, logit);
+        if (lane == 0) s_sum = sum;
+      }
+    } else {
+      e = ids[tok * top_k + s];
+    }
+    wd = down[e];
+    with_words(mma_group_words(inter, 0), [&](auto W) { mma_row_load<CPG, W.value>(wd, row, inter, 0, mw); });
+  }
+  const bool mine = threadIdx.x < 16 && tile0 + threadIdx.x < hidden;
+  const float prev = accumulate && mine ? out[tok * hidden + tile0 + threadIdx.x] : 0.f;
+  pdl_enter_at<kPdlDown, kPdlAfterInput>();
+  NIBBLE_TIMELINE_WAITED();
+  __half* xs = reinterpret_cast<__half*>(dynamic_smem());
+  copy_staged_rows(act + tok * top_k * inter, int(top_k), inter, mma_x_stride(inter), xs);
+  __syncthreads();
+  NIBBLE_TIMELINE_MARK();
+  pdl_trigger_at<kPdlDown, kPdlAfterInput>(kPdlAfterInput);
+  float acc[kMmaChains][4] = {};
+  if (s < top_k) {
+    const uint2* xb = mma_x_units(xs + s * mma_x_stride(inter), inter, 1);
+    for (int64_t q = 0; q < quads; ++q)
+      with_words(mma_group_words(inter, q), [&](auto W) {
+        if (q != 0) mma_row_load<CPG, W.value>(wd, row, inter, q, mw);
+        if (half)
+          mma_row_dot<CPG, W.value, 1>(mw, q, xb, acc);
+        else
+          mma_row_dot<CPG, W.value, 0>(mw, q, xb, acc);
+      });
+  }
+  pdl_trigger_at<kPdlDown, kPdlAfterInput>(kPdlAfterProducts);
+  __shared__ float partial[kMoeDownSlots][16];
+  const float4 d = mma_chains_sum(acc);
+  if (t == 0 && s < top_k) partial[s][g + 8 * half] = half ? d.z : d.x;
+  __syncthreads();
+  if (mine) {
+    float total = 0.f;
+    if (tok_logits) {
+      const float mx = s_logit[0];
+      float sum = 0.f;
+      if (normalize)
+        for (int64_t j = 0; j < top_k; ++j) sum += expf(s_logit[j] - mx);
+      else
+        sum = s_sum;
+      for (int64_t j = 0; j < top_k; ++j) total += expf(s_logit[j] - mx) / sum * partial[j][threadIdx.x];
+    } else {
+      for (int64_t j = 0; j < top_k; ++j) total += weights[tok * top_k + j] * partial[j][threadIdx.x];
+    }
+    out[tok * hidden + tile0 + threadIdx.x] = prev + total;
+  }
+}
+
 }  // namespace nibble::kernels
