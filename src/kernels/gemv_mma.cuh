@@ -446,6 +446,43 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
 // the router).
 constexpr int kMoeDownSlots = 8;
 
+// Slot s's expert for MoE down: routed from the token's logits (lane 0 keeps the choice's logit in
+// s_logit[s] where `record`; slot 0 also the softmax's full sum where the weights are not
+// renormalised over the top k, choice 0 holding the maximum) or read from ids.
+__device__ __forceinline__ int32_t moe_down_expert(const float* __restrict__ tok_logits, const int32_t* __restrict__ ids,
+                                                   int64_t n_experts, bool normalize, int s, int64_t tok,
+                                                   int64_t top_k, bool record, float* s_logit, float* s_sum) {
+  if (!tok_logits) return ids[tok * top_k + s];
+  float logit;
+  const int32_t e = route_choice_sized(tok_logits, n_experts, s, &logit);
+  if (record && threadIdx.x % 32 == 0) s_logit[s] = logit;
+  if (record && s == 0 && !normalize) {
+    const float sum = route_softmax_sum(tok_logits, n_experts, logit);
+    if (threadIdx.x % 32 == 0) *s_sum = sum;
+  }
+  return e;
+}
+
+// Row r of a token's tile: prev + Σ_s weight_s · partial[s][r], the weights from the kept logits
+// (softmax over the top k, or over all with s_sum) or given (weights of the token, top_k of them).
+__device__ __forceinline__ float moe_down_combine(const float (&partial)[kMoeDownSlots][16], int r, bool routed,
+                                                  bool normalize, const float* s_logit, float s_sum,
+                                                  const float* __restrict__ weights, int64_t top_k, float prev) {
+  float total = 0.f;
+  if (routed) {
+    const float mx = s_logit[0];
+    float sum = 0.f;
+    if (normalize)
+      for (int64_t j = 0; j < top_k; ++j) sum += expf(s_logit[j] - mx);
+    else
+      sum = s_sum;
+    for (int64_t j = 0; j < top_k; ++j) total += expf(s_logit[j] - mx) / sum * partial[j][r];
+  } else {
+    for (int64_t j = 0; j < top_k; ++j) total += weights[j] * partial[j][r];
+  }
+  return prev + total;
+}
+
 template <int CPG, bool kOnce>
 __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
     const Int4Weight* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
@@ -463,19 +500,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   MmaTile<CPG, 1, kOnce> tile;
   Int4Weight wd{};
   if (s < top_k) {
-    int32_t e;
-    if (tok_logits) {
-      float logit;
-      e = route_choice_sized(tok_logits, n_experts, s, &logit);
-      if (lane == 0) s_logit[s] = logit;
-      if (s == 0 && !normalize) {
-        const float sum = route_softmax_sum(tok_logits, n_experts, logit);
-        if (lane == 0) s_sum = sum;
-      }
-    } else {
-      e = ids[tok * top_k + s];
-    }
-    wd = down[e];
+    wd = down[moe_down_expert(tok_logits, ids, n_experts, normalize, s, tok, top_k, true, s_logit, &s_sum)];
     tile.start(wd, tile0, hidden, inter, 0);
   }
   // The residual this adds to was last written before the router, two launches back.
@@ -496,21 +521,9 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   const float4 d = mma_chains_sum(acc);
   if (t == 0 && s < top_k) partial[s][g] = d.x, partial[s][g + 8] = d.z;
   __syncthreads();
-  if (mine) {
-    float total = 0.f;
-    if (tok_logits) {
-      const float mx = s_logit[0];
-      float sum = 0.f;
-      if (normalize)
-        for (int64_t j = 0; j < top_k; ++j) sum += expf(s_logit[j] - mx);
-      else
-        sum = s_sum;
-      for (int64_t j = 0; j < top_k; ++j) total += expf(s_logit[j] - mx) / sum * partial[j][threadIdx.x];
-    } else {
-      for (int64_t j = 0; j < top_k; ++j) total += weights[tok * top_k + j] * partial[j][threadIdx.x];
-    }
-    out[tok * hidden + tile0 + threadIdx.x] = prev + total;
-  }
+  if (mine)
+    out[tok * hidden + tile0 + threadIdx.x] = moe_down_combine(partial, int(threadIdx.x), tok_logits != nullptr, normalize,
+                                                               s_logit, s_sum, weights ? weights + tok * top_k : nullptr, top_k, prev);
 }
 
 // MoE decode, stage 2 with two warps a slot (kMoeDownSlots · 2 warps a block): warp (s, half)
@@ -595,19 +608,7 @@ __global__ void __launch_bounds__(64 * kMoeDownSlots) moe_down_int4_half_kernel(
   const int64_t row = tile0 + g + 8 * half < hidden ? tile0 + g + 8 * half : hidden - 1;
   const int64_t quads = (inter / 256 + 3) / 4;
   if (s < top_k) {
-    int32_t e;
-    if (tok_logits) {
-      float logit;
-      e = route_choice_sized(tok_logits, n_experts, s, &logit);
-      if (lane == 0 && half == 0) s_logit[s] = logit;
-      if (s == 0 && half == 0 && !normalize) {
-        const float sum = route_softmax_sum(tok_logits, n_experts, logit);
-        if (lane == 0) s_sum = sum;
-      }
-    } else {
-      e = ids[tok * top_k + s];
-    }
-    wd = down[e];
+    wd = down[moe_down_expert(tok_logits, ids, n_experts, normalize, s, tok, top_k, half == 0, s_logit, &s_sum)];
     with_words(mma_group_words(inter, 0), [&](auto W) { mma_row_load<CPG, W.value>(wd, row, inter, 0, mw); });
   }
   const bool mine = threadIdx.x < 16 && tile0 + threadIdx.x < hidden;
@@ -636,21 +637,9 @@ __global__ void __launch_bounds__(64 * kMoeDownSlots) moe_down_int4_half_kernel(
   const float4 d = mma_chains_sum(acc);
   if (t == 0 && s < top_k) partial[s][g + 8 * half] = half ? d.z : d.x;
   __syncthreads();
-  if (mine) {
-    float total = 0.f;
-    if (tok_logits) {
-      const float mx = s_logit[0];
-      float sum = 0.f;
-      if (normalize)
-        for (int64_t j = 0; j < top_k; ++j) sum += expf(s_logit[j] - mx);
-      else
-        sum = s_sum;
-      for (int64_t j = 0; j < top_k; ++j) total += expf(s_logit[j] - mx) / sum * partial[j][threadIdx.x];
-    } else {
-      for (int64_t j = 0; j < top_k; ++j) total += weights[tok * top_k + j] * partial[j][threadIdx.x];
-    }
-    out[tok * hidden + tile0 + threadIdx.x] = prev + total;
-  }
+  if (mine)
+    out[tok * hidden + tile0 + threadIdx.x] = moe_down_combine(partial, int(threadIdx.x), tok_logits != nullptr, normalize,
+                                                               s_logit, s_sum, weights ? weights + tok * top_k : nullptr, top_k, prev);
 }
 
 }  // namespace nibble::kernels
