@@ -228,8 +228,8 @@ __global__ void __launch_bounds__(32 * kRouterClusterWarps) moe_router_cluster_k
 
 // The router's logits only, one warp per expert row, kRouterLogitsWarps warps a block: the
 // routing is left to the expert kernels (moe_gate_up_int4_mma_kernel picks its slot's expert with
-// route_choice after its wait; moe_down_int4_mma_kernel routes its token with route_token before
-// its wait, the logits being two launches back by then). This takes the cross-block meeting and
+// route_choice_sized after its wait; the MoE down kernels pick each slot's with it before their
+// wait, the logits being two launches back by then). This takes the cross-block meeting and
 // the routing warp off the critical path: in the in-kernel timeline they were ~4.8 of the cluster
 // router's 7.0 µs a layer, its products done 2.2 µs after the wait. Small blocks spread the 0.5 MB
 // over ~32 SMs instead of 8. No staging: each lane reads the x elements of its own weight vectors

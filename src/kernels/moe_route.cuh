@@ -124,11 +124,10 @@ __device__ __forceinline__ int32_t route_choice(const float* __restrict__ l, int
 }
 
 // Where the expert kernels route for themselves (gemv_mma.cuh), route_choice with its loops sized
-// for at most 4 experts a lane (128) where the logits allow: the routing runs once a launch, by
-// one warp a block, from a cold instruction cache, and the 16-a-lane loops (512 experts) are ~4x
-// the code to fetch (Nsight Compute: the MoE down kernel's warps stall 1.9 cycles an instruction
-// waiting for instructions, BENCHMARKS.md). g_route_wide = 1 (NIBBLE_ROUTE_WIDE=1, A/B runs):
-// the 16-a-lane loops always.
+// for at most 4 experts a lane (128) where the logits allow, instead of 16 (512): the routing is on
+// every expert block's path to its first weight load, and the smaller loops measured +1.2% tg128
+// (Qwen3-30B-A3B INT4, H200, BENCHMARKS.md; why was not measured: less code to fetch, fewer
+// registers). g_route_wide = 1 (NIBBLE_ROUTE_WIDE=1, A/B runs): the 16-a-lane loops always.
 static __constant__ int g_route_wide = 0;
 
 __device__ __forceinline__ int32_t route_choice_sized(const float* __restrict__ l, int64_t n_experts, int64_t s,
