@@ -98,18 +98,22 @@ NIBBLE_HD constexpr int gemm_w_word(int column, int t, int sigma) { return 4 * (
 // are the A operand (16 output rows), the M <= 8 activation rows the B columns. Thread (g, t)
 // (g = lane / 4, t = lane % 4) loads, straight from global memory, the words of rows g and g + 8
 // of its tile at lanes t + 4i (i = 0..7): one 16-byte unit per i holds 4 chunks. Each word is two
-// mma steps (i, jp): register pair r (a0/a1 for r = 0, a2/a3 for r = 1; a0, a2 row g, a1, a3 row
-// g + 8) is the nibble pair (p, p + 4), p = 2jp + r, which one lop3 turns into an f16x2 (the pair
-// sits at bits 4p and 4p + 16). So mma k-slot κ = 2t + e + 8r of step (c, i, jp) is
-//   k = 256c + t + 4i + 32(2jp + r + 4e),
+// mma steps (i, jp), step jp taking nibbles 4jp .. 4jp + 3 (bytes 2jp, 2jp + 1): a byte permute
+// puts the two bytes at bytes 0 and 2, and one lop3 each makes register r = 0 of their low nibbles
+// and r = 1 of their high nibbles (a0/a1 for r = 0, a2/a3 for r = 1; a0, a2 row g, a1, a3 row
+// g + 8). Register r, half e is nibble j = 4jp + r + 2e, so mma k-slot κ = 2t + e + 8r of step
+// (c, i, jp) is
+//   k = 256c + t + 4i + 32(4jp + r + 2e),
 // and the activations are staged (once per block, f16) in exactly that order: per step, thread
 // t's b0 (κ = 2t, 2t + 1) and b1 (κ = 2t + 8, 2t + 9) as one 8-byte unit, 4 units a step.
-// A step mixes two quantisation groups when G = 128 (nibbles p and p + 4 are 128 apart): the
-// scales are f16x2 (low half, high half) and each half is dequantised against its own group.
+// Why this pairing: a step's k of a row lie in 128jp .. 128jp + 127 of the chunk, one quantisation
+// group for G >= 128, so the scale can multiply the step's f32 sums instead of every weight.
 constexpr int kGemvStepsPerChunk = 16;
 
+// The nibble of a word that register r, half e of step jp holds.
+NIBBLE_HD constexpr int gemv_mma_nibble(int jp, int r, int e) { return 4 * jp + r + 2 * e; }
 NIBBLE_HD constexpr int64_t gemv_mma_k(int64_t c, int i, int jp, int t, int r, int e) {
-  return 256 * c + t + 4 * i + 32 * (2 * jp + r + 4 * e);
+  return 256 * c + t + 4 * i + 32 * gemv_mma_nibble(jp, r, e);
 }
 // The step of chunk c, word i, half jp, counted from the start of the row.
 NIBBLE_HD constexpr int64_t gemv_mma_step(int64_t c, int i, int jp) { return (c * 8 + i) * 2 + jp; }
@@ -118,13 +122,12 @@ NIBBLE_HD constexpr int64_t gemv_mma_step(int64_t c, int i, int jp) { return (c 
 NIBBLE_HD constexpr int64_t gemv_mma_x_half(int64_t k) {
   const int64_t c = k / 256;
   const int j = int(k % 256 / 32), lane = int(k % 32);
-  const int i = lane / 4, t = lane % 4, jp = (j % 4) / 2, r = j % 2, e = j / 4;
+  const int i = lane / 4, t = lane % 4, jp = j / 4, r = j % 2, e = j % 4 / 2;
   return (gemv_mma_step(c, i, jp) * 4 + t) * 4 + 2 * r + e;
 }
-// The quantisation group of half e of register pair r in step (c, ·, jp): nibble j = 2jp + r + 4e
-// of chunk c.
+// The quantisation group of half e of register r in step (c, ·, jp).
 NIBBLE_HD constexpr int64_t gemv_mma_group(int64_t c, int jp, int r, int e, int shift) {
-  return (256 * c + 32 * (2 * jp + r + 4 * e)) >> shift;
+  return (256 * c + 32 * gemv_mma_nibble(jp, r, e)) >> shift;
 }
 
 // The dense GEMM's tiles are [row][32 k] of 16-bit values: 64-byte rows of 4 units. ldmatrix reads

@@ -3,9 +3,10 @@
 //
 // Why: the CUDA-core GEMV spent ~9.6 instructions per weight (nibble extraction, an int-to-float
 // trick, the fma, the x loads), so at batch 1 the INT4 GEMVs were issue-bound at 13-29% of DRAM
-// bandwidth (Nsight Compute, BENCHMARKS.md). Here a thread turns two codes into an f16x2 with one
-// lop3, subtracts (1024 + zero) exactly, multiplies by the scale, and one mma.m16n8k16 does the
-// multiply-adds of 8 weights per thread: about 2 instructions per weight.
+// bandwidth (Nsight Compute, BENCHMARKS.md). Here a thread turns two codes into an f16x2 with a
+// byte permute (shared by two registers) and one lop3, subtracts (bias + zero) exactly, and one
+// mma.m16n8k16 does the multiply-adds of 8 weights per thread; the scale multiplies the f32 sums
+// of a group (G >= 128), or each f16x2 (G < 128): under 2 instructions per weight.
 //
 // The mma is used with the weights as A (16 output rows) and the activation rows as B (M <= 8
 // columns, the rest zero). Thread (g, t) loads the words of rows g and g + 8 of its 16-row tile
@@ -42,20 +43,40 @@
 
 namespace nibble::kernels {
 
-// Scale sets per chunk: register pair r of a word pairs the codes p and p + 4 (p = 2jp + r), whose
-// groups are (256c + 32p) >> shift and that + 128. CPG = G / 32 codes of a word share a group: for
-// G >= 128 one (low, high) pair of groups serves all four p, for G = 64 two, for G = 32 four.
+// Scale and zero-point registers a step (jp) of a word and row: register r, half e of the step
+// holds nibble 4jp + r + 2e (gemm_layout.h), 32 k apart by r and 64 by e. For G >= 128 all four
+// share a group (kMmaGroupScaled): the scale multiplies the step's f32 sums, one f32 a step; for
+// G = 64 the halves differ and r does not (one f16x2 a step); for G = 32 one f16x2 a register.
 template <int CPG>
-constexpr int kMmaScaleSets = CPG >= 4 ? 1 : 4 / CPG;
+constexpr bool kMmaGroupScaled = CPG >= 4;
+template <int CPG>
+constexpr int kMmaStepSets = CPG >= 2 ? 1 : 2;
 
-// Rows g and g + 8 of a tile, one group of 4 chunks, as thread t of its quad needs them.
-template <int CPG>
+// ROWS (2: g and g + 8, or 1) rows of a tile, one group of 4 chunks, as thread t of its quad needs
+// them.
+template <int CPG, int ROWS = 2>
 struct MmaWeights {
-  static constexpr int kSets = kMmaScaleSets<CPG>;
-  uint32_t w[2][8][4];      // [row g / g + 8][i][cc]: word (chunk 4q + cc, lane t + 4i)
-  uint32_t s[2][4][kSets];  // f16x2 scales (group of the low half, of the high half)
-  uint32_t z[2][4][kSets];  // f16x2 1024 + zero point, likewise
+  static constexpr int kSets = kMmaStepSets<CPG>;
+  uint32_t w[ROWS][8][4];          // [row][i][cc]: word (chunk 4q + cc, lane t + 4i)
+  uint32_t s[ROWS][4][2][kSets];   // [row][cc][jp][set]: f16x2 (e = 0, 1); group-scaled [row][cc][0][0] (jp = 0, 1)
+  uint32_t z[ROWS][4][2][kSets];   // f16x2 1024 + zero point (e = 0, 1)
 };
+
+// Set `set` of step jp of chunk c of a row (scales, zeros: the row's; zeros null: 8).
+template <int CPG>
+__device__ __forceinline__ void mma_scale_zero(const __half* scales, const uint8_t* zeros, int shift, int64_t c, int jp,
+                                               int set, uint32_t& s, uint32_t& z) {
+  const int64_t lo = gemv_mma_group(c, jp, set, 0, shift), hi = gemv_mma_group(c, jp, set, 1, shift);
+  const uint32_t zlo = zeros ? zeros[lo] : 8u;
+  if constexpr (kMmaGroupScaled<CPG>) {  // lo == hi: s is the scale's f16 bits (mma_weights_fill packs two)
+    s = __half_as_ushort(scales[lo]);
+    z = (0x6400u | zlo) * 0x10001u;
+  } else {
+    const uint32_t zhi = zeros ? zeros[hi] : 8u;
+    s = uint32_t(__half_as_ushort(scales[lo])) | uint32_t(__half_as_ushort(scales[hi])) << 16;
+    z = (0x6400u | zlo) | (0x6400u | zhi) << 16;
+  }
+}
 
 // Words in group q of a row of k: 4, or fewer in a last partial group.
 __host__ __device__ constexpr int mma_group_words(int64_t k, int64_t q) {
@@ -73,17 +94,17 @@ __device__ __forceinline__ void with_words(int words, F&& f) {
   }
 }
 
-// Fills mw from group q of rows g and g + 8 wherever they are: rows.codes(h) is row h's codes
-// (its start), rows.scales(h) and rows.zeros(h) its scales and zero points (null: 8). load(p)
-// reads one 16-byte unit or one word of codes. Global memory (mma_weights_load) and a
-// shared-memory stage (kernels/int4_stream.cuh) lay a tile's rows out alike.
-template <int CPG, int WORDS, typename Rows, typename Load>
+// Fills mw from group q of its ROWS rows wherever they are: rows.codes(h) is row h's codes (its
+// start), rows.scales(h) and rows.zeros(h) its scales and zero points (null: 8). load(p) reads one
+// 16-byte unit or one word of codes. Global memory (mma_weights_load) and a shared-memory stage
+// (kernels/int4_stream.cuh) lay a tile's rows out alike.
+template <int CPG, int WORDS, int ROWS, typename Rows, typename Load>
 __device__ __forceinline__ void mma_weights_fill(const Rows& rows, int shift, int64_t q, Load&& load,
-                                                 MmaWeights<CPG>& mw) {
+                                                 MmaWeights<CPG, ROWS>& mw) {
   const int t = threadIdx.x % 4;
   const int64_t c0 = 4 * q;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < ROWS; ++h) {
     const uint8_t* base = rows.codes(h) + c0 * 128;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -96,25 +117,26 @@ __device__ __forceinline__ void mma_weights_fill(const Rows& rows, int shift, in
           mw.w[h][i][cc] = load(reinterpret_cast<const uint32_t*>(base) + (t + 4 * i) * WORDS + cc);
       }
     }
-    const __half* scales = rows.scales(h);
-    const uint8_t* zeros = rows.zeros(h);
 #pragma unroll
     for (int cc = 0; cc < WORDS; ++cc)
 #pragma unroll
-      for (int set = 0; set < MmaWeights<CPG>::kSets; ++set) {
-        const int64_t c = c0 + cc, p = set * (4 / MmaWeights<CPG>::kSets);
-        const int64_t lo = (256 * c + 32 * p) >> shift, hi = (256 * c + 32 * p + 128) >> shift;
-        mw.s[h][cc][set] = uint32_t(__half_as_ushort(scales[lo])) | uint32_t(__half_as_ushort(scales[hi])) << 16;
-        const uint32_t zlo = zeros ? zeros[lo] : 8u, zhi = zeros ? zeros[hi] : 8u;
-        mw.z[h][cc][set] = (0x6400u | zlo) | (0x6400u | zhi) << 16;
-      }
+      for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+        for (int set = 0; set < kMmaStepSets<CPG>; ++set)
+          mma_scale_zero<CPG>(rows.scales(h), rows.zeros(h), shift, c0 + cc, jp, set, mw.s[h][cc][jp][set],
+                              mw.z[h][cc][jp][set]);
+    // Group-scaled, a word's two scales share a register (f16 jp 0 low, jp 1 high): registers are
+    // what decides how many blocks an SM holds.
+    if constexpr (kMmaGroupScaled<CPG>)
+#pragma unroll
+      for (int cc = 0; cc < WORDS; ++cc) mw.s[h][cc][0][0] |= mw.s[h][cc][1][0] << 16;
   }
 }
 
-// Two rows of an INT4 matrix in global memory, for mma_weights_fill.
+// Rows of an INT4 matrix in global memory, for mma_weights_fill.
 struct MmaGlobalRows {
   const Int4Weight& w;
-  const int64_t (&rows)[2];
+  const int64_t* rows;
   int64_t k;
   __device__ __forceinline__ const uint8_t* codes(int h) const { return w.codes + rows[h] * (k / 2); }
   __device__ __forceinline__ const __half* scales(int h) const { return w.scales + rows[h] * w.n_groups; }
@@ -123,18 +145,18 @@ struct MmaGlobalRows {
   }
 };
 
-// Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0] and rows[1]. When the codes
+// Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0 .. ROWS). When the codes
 // are read once a step (kOnce: a GEMV, or the experts of a single token), they are loaded
 // evict-first (ld.global.cs), so that the K/V rows decode attention prefetched stay in L2 (Qwen3
 // INT4 at depth 8192 +7%, BENCHMARKS.md); the experts of a batch, which several tokens may share,
 // are not (evict-first cost 3% at batch 8). A compile-time choice: chosen at run time, the two
 // loads cost 3.6% at batch 1. Nor the scales: the warps of a row share their 32-byte sectors, which
 // evict-first lost between them (−2% at depth 8192).
-template <int CPG, int WORDS, bool kOnce>
-__device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int64_t (&rows)[2], int64_t k,
-                                                 int64_t q, MmaWeights<CPG>& mw) {
-  mma_weights_fill<CPG, WORDS>(MmaGlobalRows{w, rows, k}, int(w.group_shift), q,
-                               [](const auto* p) { return kOnce ? __ldcs(p) : __ldg(p); }, mw);
+template <int CPG, int WORDS, bool kOnce, int ROWS>
+__device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int64_t (&rows)[ROWS], int64_t k,
+                                                 int64_t q, MmaWeights<CPG, ROWS>& mw) {
+  mma_weights_fill<CPG, WORDS, ROWS>(MmaGlobalRows{w, rows, k}, int(w.group_shift), q,
+                                     [](const auto* p) { return kOnce ? __ldcs(p) : __ldg(p); }, mw);
 }
 
 // Independent accumulators: consecutive mma of a warp would otherwise wait on each other's result
@@ -142,32 +164,64 @@ __device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int6
 constexpr int kMmaChains = 2;
 
 // acc[chain] += A · B over group q (step (i, jp) goes to chain jp). xb: this thread's units of its
-// activation column in shared memory (+ t), null when the thread's column is past m.
-template <int CPG, int WORDS>
-__device__ __forceinline__ void mma_group_dot(const MmaWeights<CPG>& mw, int64_t q, const uint2* xb,
+// activation column in shared memory (+ t), null when the thread's column is past m. ROWS = 2:
+// mw's rows are g and g + 8; ROWS = 1: its one row is row g + 8·kHalf, the other half of the A
+// fragments zero.
+//
+// A register of weights is a byte permute (per step and row), one lop3 (the nibbles as 1024 + q or
+// 64 + q) and one exact subtraction (of 1024 + z or 64 + z); with a group a step (G >= 128) a
+// word's products accumulate apart, a chain a step, and the scale multiplies those f32 sums once,
+// not every pair of weights (a mul a register before). Word by word, so that only one word's
+// partial sums and zero points are live beside the weights.
+template <int CPG, int WORDS, int ROWS = 2, int kHalf = 0>
+__device__ __forceinline__ void mma_group_dot(const MmaWeights<CPG, ROWS>& mw, int64_t q, const uint2* xb,
                                               float (&acc)[kMmaChains][4]) {
-  constexpr int kPairsPerSet = 4 / kMmaScaleSets<CPG>;
-  // Unit i of the loads first: the units arrive in the order they were issued, and each one's
-  // words are consumed as soon as it is there.
+  constexpr bool kGroup = kMmaGroupScaled<CPG>;
+  constexpr int kSets = kMmaStepSets<CPG>;
+  constexpr uint32_t k960 = 0x63806380u;  // f16x2 960: (1024 + z) - 960 = 64 + z
 #pragma unroll
-  for (int i = 0; i < 8; ++i)
+  for (int cc = 0; cc < WORDS; ++cc) {
+    uint32_t z64[ROWS][2][kSets];
 #pragma unroll
-    for (int cc = 0; cc < WORDS; ++cc)
+    for (int h = 0; h < ROWS; ++h)
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+        for (int set = 0; set < kSets; ++set) z64[h][jp][set] = f16x2_sub(mw.z[h][cc][jp][set], k960);
+    float part[2][4] = {};
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
 #pragma unroll
       for (int jp = 0; jp < 2; ++jp) {
         uint2 b = make_uint2(0u, 0u);
         if (xb) b = xb[4 * gemv_mma_step(4 * q + cc, i, jp)];
-        uint32_t a[4];
+        uint32_t a[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int p = 2 * jp + r, set = p / kPairsPerSet;
+        for (int h = 0; h < ROWS; ++h) {  // a0, a2: row g; a1, a3: row g + 8
+          const int row = ROWS == 2 ? h : kHalf;
+          const uint32_t bytes = bytes_to_halves(mw.w[h][i][cc], 2 * jp);
 #pragma unroll
-          for (int h = 0; h < 2; ++h)  // a0, a2: row g; a1, a3: row g + 8
-            a[2 * r + h] =
-                f16x2_sub_mul(nibbles_to_f16x2_plus_1024(mw.w[h][i][cc] >> (4 * p)), mw.z[h][cc][set], mw.s[h][cc][set]);
+          for (int r = 0; r < 2; ++r) {
+            const int set = kSets == 1 ? 0 : r;
+            const uint32_t v = r == 0 ? f16x2_sub(nibbles_to_f16x2_plus_1024(bytes), mw.z[h][cc][jp][set])
+                                      : f16x2_sub(high_nibbles_to_f16x2_plus_64(bytes), z64[h][jp][set]);
+            a[2 * r + row] = kGroup ? v : f16x2_mul(v, mw.s[h][cc][jp][set]);
+          }
         }
-        mma_f16(acc[jp], a, b.x, b.y);
+        mma_f16(kGroup ? part[jp] : acc[jp], a, b.x, b.y);
       }
+    if constexpr (kGroup) {
+#pragma unroll
+      for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+        for (int h = 0; h < ROWS; ++h) {
+          const int row = ROWS == 2 ? h : kHalf;
+          const float sc = __half2float(__ushort_as_half(static_cast<unsigned short>(mw.s[h][cc][0][0] >> (16 * jp))));
+          acc[jp][2 * row] += sc * part[jp][2 * row];
+          acc[jp][2 * row + 1] += sc * part[jp][2 * row + 1];
+        }
+    }
+  }
 }
 
 // The chains summed in order: D[rows g, g + 8][columns 2t, 2t + 1] of the tile for thread (g, t),
@@ -533,66 +587,6 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
 // scheduler to issue from. Measured on the H200: tg128 +0.8% at depth 0, +0.9% at 8192
 // (BENCHMARKS.md). Batch 1 only (kOnce).
 template <int CPG>
-struct MmaRowWeights {
-  static constexpr int kSets = kMmaScaleSets<CPG>;
-  uint32_t w[8][4];
-  uint32_t s[4][kSets], z[4][kSets];
-};
-
-template <int CPG, int WORDS>
-__device__ __forceinline__ void mma_row_load(const Int4Weight& w, int64_t row, int64_t k, int64_t q,
-                                             MmaRowWeights<CPG>& mw) {
-  const int t = threadIdx.x % 4;
-  const int64_t c0 = 4 * q;
-  const uint8_t* base = w.codes + row * (k / 2) + c0 * 128;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    if constexpr (WORDS == 4) {
-      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(base) + t + 4 * i);
-      mw.w[i][0] = v.x, mw.w[i][1] = v.y, mw.w[i][2] = v.z, mw.w[i][3] = v.w;
-    } else {
-#pragma unroll
-      for (int cc = 0; cc < WORDS; ++cc) mw.w[i][cc] = __ldcs(reinterpret_cast<const uint32_t*>(base) + (t + 4 * i) * WORDS + cc);
-    }
-  }
-  const __half* scales = w.scales + row * w.n_groups;
-  const uint8_t* zeros = w.zeros ? w.zeros + row * w.n_groups : nullptr;
-  const int shift = int(w.group_shift);
-#pragma unroll
-  for (int cc = 0; cc < WORDS; ++cc)
-#pragma unroll
-    for (int set = 0; set < MmaRowWeights<CPG>::kSets; ++set) {
-      const int64_t c = c0 + cc, p = set * (4 / MmaRowWeights<CPG>::kSets);
-      const int64_t lo = (256 * c + 32 * p) >> shift, hi = (256 * c + 32 * p + 128) >> shift;
-      mw.s[cc][set] = uint32_t(__half_as_ushort(scales[lo])) | uint32_t(__half_as_ushort(scales[hi])) << 16;
-      const uint32_t zlo = zeros ? zeros[lo] : 8u, zhi = zeros ? zeros[hi] : 8u;
-      mw.z[cc][set] = (0x6400u | zlo) | (0x6400u | zhi) << 16;
-    }
-}
-
-template <int CPG, int WORDS, int kHalf>
-__device__ __forceinline__ void mma_row_dot(const MmaRowWeights<CPG>& mw, int64_t q, const uint2* xb,
-                                            float (&acc)[kMmaChains][4]) {
-  constexpr int kPairsPerSet = 4 / MmaRowWeights<CPG>::kSets;
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-#pragma unroll
-    for (int cc = 0; cc < WORDS; ++cc)
-#pragma unroll
-      for (int jp = 0; jp < 2; ++jp) {
-        uint2 b = make_uint2(0u, 0u);
-        if (xb) b = xb[4 * gemv_mma_step(4 * q + cc, i, jp)];
-        uint32_t a[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int p = 2 * jp + r, set = p / kPairsPerSet;
-          a[2 * r + kHalf] = f16x2_sub_mul(nibbles_to_f16x2_plus_1024(mw.w[i][cc] >> (4 * p)), mw.z[cc][set], mw.s[cc][set]);
-        }
-        mma_f16(acc[jp], a, b.x, b.y);
-      }
-}
-
-template <int CPG>
 __global__ void __launch_bounds__(64 * kMoeDownSlots) moe_down_int4_half_kernel(
     const Int4Weight* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
     const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
@@ -603,13 +597,13 @@ __global__ void __launch_bounds__(64 * kMoeDownSlots) moe_down_int4_half_kernel(
   NIBBLE_TIMELINE_BLOCK(kMoeDown);
   __shared__ float s_logit[kMoeDownSlots], s_sum;
   const float* tok_logits = logits ? logits + (blockIdx.x % replicas) * replica_stride + tok * n_experts : nullptr;
-  MmaRowWeights<CPG> mw;
+  MmaWeights<CPG, 1> mw;
   Int4Weight wd{};
-  const int64_t row = tile0 + g + 8 * half < hidden ? tile0 + g + 8 * half : hidden - 1;
+  const int64_t row[1] = {tile0 + g + 8 * half < hidden ? tile0 + g + 8 * half : hidden - 1};
   const int64_t quads = (inter / 256 + 3) / 4;
   if (s < top_k) {
     wd = down[moe_down_expert(tok_logits, ids, n_experts, normalize, s, tok, top_k, half == 0, s_logit, &s_sum)];
-    with_words(mma_group_words(inter, 0), [&](auto W) { mma_row_load<CPG, W.value>(wd, row, inter, 0, mw); });
+    with_words(mma_group_words(inter, 0), [&](auto W) { mma_weights_load<CPG, W.value, true>(wd, row, inter, 0, mw); });
   }
   const bool mine = threadIdx.x < 16 && tile0 + threadIdx.x < hidden;
   const float prev = accumulate && mine ? out[tok * hidden + tile0 + threadIdx.x] : 0.f;
@@ -625,11 +619,11 @@ __global__ void __launch_bounds__(64 * kMoeDownSlots) moe_down_int4_half_kernel(
     const uint2* xb = mma_x_units(xs + s * mma_x_stride(inter), inter, 1);
     for (int64_t q = 0; q < quads; ++q)
       with_words(mma_group_words(inter, q), [&](auto W) {
-        if (q != 0) mma_row_load<CPG, W.value>(wd, row, inter, q, mw);
+        if (q != 0) mma_weights_load<CPG, W.value, true>(wd, row, inter, q, mw);
         if (half)
-          mma_row_dot<CPG, W.value, 1>(mw, q, xb, acc);
+          mma_group_dot<CPG, W.value, 1, 1>(mw, q, xb, acc);
         else
-          mma_row_dot<CPG, W.value, 0>(mw, q, xb, acc);
+          mma_group_dot<CPG, W.value, 1, 0>(mw, q, xb, acc);
       });
   }
   pdl_trigger_at<kPdlDown, kPdlAfterInput>(kPdlAfterProducts);

@@ -74,6 +74,29 @@ __device__ __forceinline__ uint32_t nibbles_to_f16x2_plus_1024(uint32_t x) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(v) : "r"(x), "n"(0x000F000F), "n"(0x64006400));
   return v;
 }
+// The same for the nibbles at bits 4..7 and 20..23, in place: bits 0x5400 | q << 4 are the value
+// 64 + q (exponent 6, a mantissa step of 1/16), with no shift.
+__device__ __forceinline__ uint32_t high_nibbles_to_f16x2_plus_64(uint32_t x) {
+  uint32_t v;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(v) : "r"(x), "n"(0x00F000F0), "n"(0x54005400));
+  return v;
+}
+// Bytes b and b + 1 of x at bytes 0 and 2 (bytes 1 and 3 are left for a nibble mask to clear).
+__device__ __forceinline__ uint32_t bytes_to_halves(uint32_t x, int b) {
+  return __byte_perm(x, 0u, b == 0 ? 0x1100u : 0x3322u);
+}
+// a - b per half, rounded (exact for the small integers it is used on).
+__device__ __forceinline__ uint32_t f16x2_sub(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// a · s per half, rounded.
+__device__ __forceinline__ uint32_t f16x2_mul(uint32_t a, uint32_t s) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(s));
+  return d;
+}
 // (a - b) · s per half. .rn on both keeps ptxas from contracting them into an fma, which would
 // round (1024 + q)·s instead of the exact small integer q - z.
 __device__ __forceinline__ uint32_t f16x2_sub_mul(uint32_t a, uint32_t b, uint32_t s) {

@@ -240,7 +240,7 @@ TEST(GemmLayout, DenseSwizzleIsConflictFree) {
 
 
 // The decode GEMV's k order (gemv_mma_k): a bijection over each chunk, read off the words a thread
-// loads (nibble j = 2jp + r + 4e of lane t + 4i is the layout's k), and the staged activations put
+// loads (nibble j = 4jp + r + 2e of lane t + 4i is the layout's k), and the staged activations put
 // each k where the A fragment of the same mma row expects it.
 TEST(GemmLayout, GemvMmaOrderIsABijectionOverTheLayout) {
   for (int64_t c = 0; c < 5; ++c) {
@@ -254,8 +254,10 @@ TEST(GemmLayout, GemvMmaOrderIsABijectionOverTheLayout) {
               ASSERT_GE(k, 256 * c);
               ASSERT_LT(k, 256 * (c + 1));
               ++seen[size_t(k - 256 * c)];
-              // The word of lane t + 4i, nibble 2jp + r + 4e (the pair b[r] = nibbles p, p + 4).
-              EXPECT_EQ(k, int4_layout_k(c, t + 4 * i, 2 * jp + r + 4 * e));
+              // The word of lane t + 4i, nibble 4jp + r + 2e: register r of step jp is the low
+              // (r = 0) or high (r = 1) nibbles of bytes 2jp (e = 0) and 2jp + 1 (e = 1).
+              EXPECT_EQ(gemv_mma_nibble(jp, r, e), 2 * (2 * jp + e) + r);
+              EXPECT_EQ(k, int4_layout_k(c, t + 4 * i, gemv_mma_nibble(jp, r, e)));
             }
     for (int k = 0; k < 256; ++k) ASSERT_EQ(seen[size_t(k)], 1) << "c " << c << " k " << k;
   }
@@ -289,24 +291,29 @@ TEST(GemmLayout, GemvMmaStagingMatchesTheFragments) {
             }
 }
 
-// Half e of register pair r is dequantised with the scale of its own group: the kernel's scale sets
-// (kernels/gemv_mma.cuh) take the groups of p = 2jp + r at the first p of each set.
+// The kernel's scale registers (kernels/gemv_mma.cuh): for G >= 128 one group a step (jp) of a
+// row, so the scale multiplies the step's f32 sums; for G = 64 one f16x2 a step whose halves e
+// differ and registers r do not; for G = 32 one a register. Every k of a half is in its group.
 TEST(GemmLayout, GemvMmaScaleSetsCoverTheirGroups) {
   for (int shift = 5; shift <= 30; ++shift) {
-    const int cpg = shift >= 8 ? 8 : 1 << (shift - 5);
-    const int sets = cpg >= 4 ? 1 : 4 / cpg, per_set = 4 / sets;
     for (int64_t c = 0; c < 9; ++c)
       for (int jp = 0; jp < 2; ++jp)
         for (int r = 0; r < 2; ++r)
           for (int e = 0; e < 2; ++e) {
-            const int p = 2 * jp + r, p0 = p / per_set * per_set;
-            EXPECT_EQ(gemv_mma_group(c, jp, r, e, shift), (256 * c + 32 * p0 + 128 * e) >> shift)
-                << "G " << (1 << shift) << " c " << c << " p " << p;
+            const int64_t group = gemv_mma_group(c, jp, r, e, shift);
+            if (shift >= 7) {
+              EXPECT_EQ(group, gemv_mma_group(c, jp, 0, 0, shift)) << "G " << (1 << shift);
+            } else if (shift == 6) {
+              EXPECT_EQ(group, gemv_mma_group(c, jp, 0, e, shift)) << "c " << c;
+            }
             for (int t = 0; t < 4; ++t)
               for (int i = 0; i < 8; ++i)  // every k of the half is in that group
-                EXPECT_EQ(gemv_mma_k(c, i, jp, t, r, e) >> shift, gemv_mma_group(c, jp, r, e, shift));
+                EXPECT_EQ(gemv_mma_k(c, i, jp, t, r, e) >> shift, group);
           }
   }
+  // And the pairing is needed: at G = 64 the halves of a step differ, at G = 32 the registers too.
+  EXPECT_NE(gemv_mma_group(0, 0, 0, 0, 6), gemv_mma_group(0, 0, 0, 1, 6));
+  EXPECT_NE(gemv_mma_group(0, 0, 0, 0, 5), gemv_mma_group(0, 0, 1, 0, 5));
 }
 
 // MXFP4 decode layout: every checkpoint byte of a row lands on its own byte (partial last groups
