@@ -52,14 +52,13 @@ constexpr bool kMmaGroupScaled = CPG >= 4;
 template <int CPG>
 constexpr int kMmaStepSets = CPG >= 2 ? 1 : 2;
 
-// ROWS (2: g and g + 8, or 1) rows of a tile, one group of 4 chunks, as thread t of its quad needs
-// them.
-template <int CPG, int ROWS = 2>
+// Rows g and g + 8 of a tile, one group of 4 chunks, as thread t of its quad needs them.
+template <int CPG>
 struct MmaWeights {
   static constexpr int kSets = kMmaStepSets<CPG>;
-  uint32_t w[ROWS][8][4];          // [row][i][cc]: word (chunk 4q + cc, lane t + 4i)
-  uint32_t s[ROWS][4][2][kSets];   // [row][cc][jp][set]: f16x2 (e = 0, 1); group-scaled [row][cc][0][0] (jp = 0, 1)
-  uint32_t z[ROWS][4][2][kSets];   // f16x2 1024 + zero point (e = 0, 1)
+  uint32_t w[2][8][4];          // [row g / g + 8][i][cc]: word (chunk 4q + cc, lane t + 4i)
+  uint32_t s[2][4][2][kSets];   // [row][cc][jp][set]: f16x2 (e = 0, 1); group-scaled [row][cc][0][0] (jp = 0, 1)
+  uint32_t z[2][4][2][kSets];   // f16x2 1024 + zero point (e = 0, 1)
 };
 
 // Set `set` of step jp of chunk c of a row (scales, zeros: the row's; zeros null: 8).
@@ -94,17 +93,17 @@ __device__ __forceinline__ void with_words(int words, F&& f) {
   }
 }
 
-// Fills mw from group q of its ROWS rows wherever they are: rows.codes(h) is row h's codes (its
+// Fills mw from group q of rows g and g + 8 wherever they are: rows.codes(h) is row h's codes (its
 // start), rows.scales(h) and rows.zeros(h) its scales and zero points (null: 8). load(p) reads one
 // 16-byte unit or one word of codes. Global memory (mma_weights_load) and a shared-memory stage
 // (kernels/int4_stream.cuh) lay a tile's rows out alike.
-template <int CPG, int WORDS, int ROWS, typename Rows, typename Load>
+template <int CPG, int WORDS, typename Rows, typename Load>
 __device__ __forceinline__ void mma_weights_fill(const Rows& rows, int shift, int64_t q, Load&& load,
-                                                 MmaWeights<CPG, ROWS>& mw) {
+                                                 MmaWeights<CPG>& mw) {
   const int t = threadIdx.x % 4;
   const int64_t c0 = 4 * q;
 #pragma unroll
-  for (int h = 0; h < ROWS; ++h) {
+  for (int h = 0; h < 2; ++h) {
     const uint8_t* base = rows.codes(h) + c0 * 128;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -133,10 +132,10 @@ __device__ __forceinline__ void mma_weights_fill(const Rows& rows, int shift, in
   }
 }
 
-// Rows of an INT4 matrix in global memory, for mma_weights_fill.
+// Two rows of an INT4 matrix in global memory, for mma_weights_fill.
 struct MmaGlobalRows {
   const Int4Weight& w;
-  const int64_t* rows;
+  const int64_t (&rows)[2];
   int64_t k;
   __device__ __forceinline__ const uint8_t* codes(int h) const { return w.codes + rows[h] * (k / 2); }
   __device__ __forceinline__ const __half* scales(int h) const { return w.scales + rows[h] * w.n_groups; }
@@ -145,18 +144,18 @@ struct MmaGlobalRows {
   }
 };
 
-// Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0 .. ROWS). When the codes
+// Issues the loads of group q (chunks 4q .. 4q + WORDS - 1) of rows[0] and rows[1]. When the codes
 // are read once a step (kOnce: a GEMV, or the experts of a single token), they are loaded
 // evict-first (ld.global.cs), so that the K/V rows decode attention prefetched stay in L2 (Qwen3
 // INT4 at depth 8192 +7%, BENCHMARKS.md); the experts of a batch, which several tokens may share,
 // are not (evict-first cost 3% at batch 8). A compile-time choice: chosen at run time, the two
 // loads cost 3.6% at batch 1. Nor the scales: the warps of a row share their 32-byte sectors, which
 // evict-first lost between them (−2% at depth 8192).
-template <int CPG, int WORDS, bool kOnce, int ROWS>
-__device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int64_t (&rows)[ROWS], int64_t k,
-                                                 int64_t q, MmaWeights<CPG, ROWS>& mw) {
-  mma_weights_fill<CPG, WORDS, ROWS>(MmaGlobalRows{w, rows, k}, int(w.group_shift), q,
-                                     [](const auto* p) { return kOnce ? __ldcs(p) : __ldg(p); }, mw);
+template <int CPG, int WORDS, bool kOnce>
+__device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int64_t (&rows)[2], int64_t k,
+                                                 int64_t q, MmaWeights<CPG>& mw) {
+  mma_weights_fill<CPG, WORDS>(MmaGlobalRows{w, rows, k}, int(w.group_shift), q,
+                               [](const auto* p) { return kOnce ? __ldcs(p) : __ldg(p); }, mw);
 }
 
 // Independent accumulators: consecutive mma of a warp would otherwise wait on each other's result
@@ -164,26 +163,24 @@ __device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int6
 constexpr int kMmaChains = 2;
 
 // acc[chain] += A · B over group q (step (i, jp) goes to chain jp). xb: this thread's units of its
-// activation column in shared memory (+ t), null when the thread's column is past m. ROWS = 2:
-// mw's rows are g and g + 8; ROWS = 1: its one row is row g + 8·kHalf, the other half of the A
-// fragments zero.
+// activation column in shared memory (+ t), null when the thread's column is past m.
 //
 // A register of weights is a byte permute (per step and row), one lop3 (the nibbles as 1024 + q or
 // 64 + q) and one exact subtraction (of 1024 + z or 64 + z); with a group a step (G >= 128) a
 // word's products accumulate apart, a chain a step, and the scale multiplies those f32 sums once,
 // not every pair of weights (a mul a register before). Word by word, so that only one word's
 // partial sums and zero points are live beside the weights.
-template <int CPG, int WORDS, int ROWS = 2, int kHalf = 0>
-__device__ __forceinline__ void mma_group_dot(const MmaWeights<CPG, ROWS>& mw, int64_t q, const uint2* xb,
+template <int CPG, int WORDS>
+__device__ __forceinline__ void mma_group_dot(const MmaWeights<CPG>& mw, int64_t q, const uint2* xb,
                                               float (&acc)[kMmaChains][4]) {
   constexpr bool kGroup = kMmaGroupScaled<CPG>;
   constexpr int kSets = kMmaStepSets<CPG>;
   constexpr uint32_t k960 = 0x63806380u;  // f16x2 960: (1024 + z) - 960 = 64 + z
 #pragma unroll
   for (int cc = 0; cc < WORDS; ++cc) {
-    uint32_t z64[ROWS][2][kSets];
+    uint32_t z64[2][2][kSets];
 #pragma unroll
-    for (int h = 0; h < ROWS; ++h)
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int jp = 0; jp < 2; ++jp)
 #pragma unroll
@@ -197,15 +194,14 @@ __device__ __forceinline__ void mma_group_dot(const MmaWeights<CPG, ROWS>& mw, i
         if (xb) b = xb[4 * gemv_mma_step(4 * q + cc, i, jp)];
         uint32_t a[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-        for (int h = 0; h < ROWS; ++h) {  // a0, a2: row g; a1, a3: row g + 8
-          const int row = ROWS == 2 ? h : kHalf;
+        for (int h = 0; h < 2; ++h) {  // a0, a2: row g; a1, a3: row g + 8
           const uint32_t bytes = bytes_to_halves(mw.w[h][i][cc], 2 * jp);
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int set = kSets == 1 ? 0 : r;
             const uint32_t v = r == 0 ? f16x2_sub(nibbles_to_f16x2_plus_1024(bytes), mw.z[h][cc][jp][set])
                                       : f16x2_sub(high_nibbles_to_f16x2_plus_64(bytes), z64[h][jp][set]);
-            a[2 * r + row] = kGroup ? v : f16x2_mul(v, mw.s[h][cc][jp][set]);
+            a[2 * r + h] = kGroup ? v : f16x2_mul(v, mw.s[h][cc][jp][set]);
           }
         }
         mma_f16(kGroup ? part[jp] : acc[jp], a, b.x, b.y);
@@ -214,11 +210,10 @@ __device__ __forceinline__ void mma_group_dot(const MmaWeights<CPG, ROWS>& mw, i
 #pragma unroll
       for (int jp = 0; jp < 2; ++jp)
 #pragma unroll
-        for (int h = 0; h < ROWS; ++h) {
-          const int row = ROWS == 2 ? h : kHalf;
+        for (int h = 0; h < 2; ++h) {
           const float sc = __half2float(__ushort_as_half(static_cast<unsigned short>(mw.s[h][cc][0][0] >> (16 * jp))));
-          acc[jp][2 * row] += sc * part[jp][2 * row];
-          acc[jp][2 * row + 1] += sc * part[jp][2 * row + 1];
+          acc[jp][2 * h] += sc * part[jp][2 * h];
+          acc[jp][2 * h + 1] += sc * part[jp][2 * h + 1];
         }
     }
   }
@@ -501,16 +496,16 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
 constexpr int kMoeDownSlots = 8;
 
 // Slot s's expert for MoE down: routed from the token's logits (lane 0 keeps the choice's logit in
-// s_logit[s] where `record`; slot 0 also the softmax's full sum where the weights are not
-// renormalised over the top k, choice 0 holding the maximum) or read from ids.
+// s_logit[s]; slot 0 also the softmax's full sum where the weights are not renormalised over the
+// top k, choice 0 holding the maximum) or read from ids.
 __device__ __forceinline__ int32_t moe_down_expert(const float* __restrict__ tok_logits, const int32_t* __restrict__ ids,
                                                    int64_t n_experts, bool normalize, int s, int64_t tok,
-                                                   int64_t top_k, bool record, float* s_logit, float* s_sum) {
+                                                   int64_t top_k, float* s_logit, float* s_sum) {
   if (!tok_logits) return ids[tok * top_k + s];
   float logit;
   const int32_t e = route_choice_sized(tok_logits, n_experts, s, &logit);
-  if (record && threadIdx.x % 32 == 0) s_logit[s] = logit;
-  if (record && s == 0 && !normalize) {
+  if (threadIdx.x % 32 == 0) s_logit[s] = logit;
+  if (s == 0 && !normalize) {
     const float sum = route_softmax_sum(tok_logits, n_experts, logit);
     if (threadIdx.x % 32 == 0) *s_sum = sum;
   }
@@ -554,7 +549,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   MmaTile<CPG, 1, kOnce> tile;
   Int4Weight wd{};
   if (s < top_k) {
-    wd = down[moe_down_expert(tok_logits, ids, n_experts, normalize, s, tok, top_k, true, s_logit, &s_sum)];
+    wd = down[moe_down_expert(tok_logits, ids, n_experts, normalize, s, tok, top_k, s_logit, &s_sum)];
     tile.start(wd, tile0, hidden, inter, 0);
   }
   // The residual this adds to was last written before the router, two launches back.
@@ -574,62 +569,6 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   __shared__ float partial[kMoeDownSlots][16];
   const float4 d = mma_chains_sum(acc);
   if (t == 0 && s < top_k) partial[s][g] = d.x, partial[s][g + 8] = d.z;
-  __syncthreads();
-  if (mine)
-    out[tok * hidden + tile0 + threadIdx.x] = moe_down_combine(partial, int(threadIdx.x), tok_logits != nullptr, normalize,
-                                                               s_logit, s_sum, weights ? weights + tok * top_k : nullptr, top_k, prev);
-}
-
-// MoE decode, stage 2 with two warps a slot (kMoeDownSlots · 2 warps a block): warp (s, half)
-// takes rows g + 8·half of the tile alone, its A fragments of the other half zero. The work an SM
-// is the same, over twice the warps: Nsight Compute has the one-warp-a-slot kernel's warps waiting
-// ~8 cycles an instruction (weights, instruction fetch, fixed latencies) with two warps a
-// scheduler to issue from. Measured on the H200: tg128 +0.8% at depth 0, +0.9% at 8192
-// (BENCHMARKS.md). Batch 1 only (kOnce).
-template <int CPG>
-__global__ void __launch_bounds__(64 * kMoeDownSlots) moe_down_int4_half_kernel(
-    const Int4Weight* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
-    const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
-    float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate, int replicas,
-    int64_t replica_stride) {
-  const int warp = threadIdx.x / 32, s = warp / 2, half = warp % 2, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t tok = blockIdx.y, tile0 = int64_t(blockIdx.x) * 16;
-  NIBBLE_TIMELINE_BLOCK(kMoeDown);
-  __shared__ float s_logit[kMoeDownSlots], s_sum;
-  const float* tok_logits = logits ? logits + (blockIdx.x % replicas) * replica_stride + tok * n_experts : nullptr;
-  MmaWeights<CPG, 1> mw;
-  Int4Weight wd{};
-  const int64_t row[1] = {tile0 + g + 8 * half < hidden ? tile0 + g + 8 * half : hidden - 1};
-  const int64_t quads = (inter / 256 + 3) / 4;
-  if (s < top_k) {
-    wd = down[moe_down_expert(tok_logits, ids, n_experts, normalize, s, tok, top_k, half == 0, s_logit, &s_sum)];
-    with_words(mma_group_words(inter, 0), [&](auto W) { mma_weights_load<CPG, W.value, true>(wd, row, inter, 0, mw); });
-  }
-  const bool mine = threadIdx.x < 16 && tile0 + threadIdx.x < hidden;
-  const float prev = accumulate && mine ? out[tok * hidden + tile0 + threadIdx.x] : 0.f;
-  pdl_enter_at<kPdlDown, kPdlAfterInput>();
-  NIBBLE_TIMELINE_WAITED();
-  __half* xs = reinterpret_cast<__half*>(dynamic_smem());
-  copy_staged_rows(act + tok * top_k * inter, int(top_k), inter, mma_x_stride(inter), xs);
-  __syncthreads();
-  NIBBLE_TIMELINE_MARK();
-  pdl_trigger_at<kPdlDown, kPdlAfterInput>(kPdlAfterInput);
-  float acc[kMmaChains][4] = {};
-  if (s < top_k) {
-    const uint2* xb = mma_x_units(xs + s * mma_x_stride(inter), inter, 1);
-    for (int64_t q = 0; q < quads; ++q)
-      with_words(mma_group_words(inter, q), [&](auto W) {
-        if (q != 0) mma_weights_load<CPG, W.value, true>(wd, row, inter, q, mw);
-        if (half)
-          mma_group_dot<CPG, W.value, 1, 1>(mw, q, xb, acc);
-        else
-          mma_group_dot<CPG, W.value, 1, 0>(mw, q, xb, acc);
-      });
-  }
-  pdl_trigger_at<kPdlDown, kPdlAfterInput>(kPdlAfterProducts);
-  __shared__ float partial[kMoeDownSlots][16];
-  const float4 d = mma_chains_sum(acc);
-  if (t == 0 && s < top_k) partial[s][g + 8 * half] = half ? d.z : d.x;
   __syncthreads();
   if (mine)
     out[tok * hidden + tile0 + threadIdx.x] = moe_down_combine(partial, int(threadIdx.x), tok_logits != nullptr, normalize,

@@ -441,18 +441,10 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
                       routing.logits, n_experts, routing.normalize, act_h, out, top_k, inter, hidden, accumulate,
                       routing.logit_replicas, routing.replica_stride);
     };
-    // One token: two warps a slot (moe_down_int4_half_kernel); NIBBLE_MOE_DOWN_WARPS=8, one (A/B runs).
-    static const bool one_warp = [] {
-      const char* env = std::getenv("NIBBLE_MOE_DOWN_WARPS");
-      return env && std::string_view(env) == "8";
-    }();
-    if (m == 1 && !one_warp) {
-      const auto kernel = kernels::moe_down_int4_half_kernel<CPG.value>;
-      allow_smem(kernel, smem);
-      launch_pdl_smem(kernel, grid, 64 * kernels::kMoeDownSlots, smem, d, routing.ids, routing.weights,
-                      routing.logits, n_experts, routing.normalize, act_h, out, top_k, inter, hidden, accumulate,
-                      routing.logit_replicas, routing.replica_stride);
-    } else if (m == 1) {
+    // One token: evict-first loads (kOnce). Two warps a slot (each half the tile's rows) measured
+    // +0.8% with the older dequantisation and tied (H100) or lost 0.4% (H200) after fde289e's:
+    // removed (BENCHMARKS.md).
+    if (m == 1) {
       down(std::true_type{});
     } else {
       down(std::false_type{});
