@@ -23,9 +23,10 @@
 // different groups (split K) meet in shared memory; the sum is in warp order, so results are
 // deterministic.
 //
-// Precision: activations and dequantised weights are rounded to f16 (relative 2^-11 each), the
-// products accumulate in f32: the same terms as the prefill GEMM (gemm_int4.cuh), tested at the
-// same tolerance.
+// Precision: activations are rounded to f16 (relative 2^-11); q - z is exact in f16, and the
+// scale multiplies it in f16 (G < 128, rounded, as the prefill GEMM gemm_int4.cuh does) or the
+// word's f32 sums (G >= 128, exact up to f32); the products accumulate in f32. Tested at the
+// prefill GEMM's tolerance.
 #pragma once
 
 #include <cuda_fp16.h>
