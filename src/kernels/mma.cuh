@@ -100,10 +100,7 @@ __device__ __forceinline__ uint32_t f16x2_mul(uint32_t a, uint32_t s) {
 // (a - b) · s per half. .rn on both keeps ptxas from contracting them into an fma, which would
 // round (1024 + q)·s instead of the exact small integer q - z.
 __device__ __forceinline__ uint32_t f16x2_sub_mul(uint32_t a, uint32_t b, uint32_t s) {
-  uint32_t d;
-  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-  asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(d) : "r"(s));
-  return d;
+  return f16x2_mul(f16x2_sub(a, b), s);
 }
 
 // Max / sum over the 4 threads of a quad (the threads holding one row of an mma C fragment).

@@ -444,11 +444,10 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
     // One token: evict-first loads (kOnce). Two warps a slot (each half the tile's rows) measured
     // +0.8% with the older dequantisation and tied (H100) or lost 0.4% (H200) after fde289e's:
     // removed (BENCHMARKS.md).
-    if (m == 1) {
+    if (m == 1)
       down(std::true_type{});
-    } else {
+    else
       down(std::false_type{});
-    }
   });
 }
 
