@@ -377,9 +377,9 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
 // RMS-normalised first when kNorm. act is written as f16 in the decode mma order of a row of
 // `inter` (stage 2 stages it with plain copies). A block has KS warps along K on one 16-row tile
 // of gate and KS on the same tile of up. Before the PDL wait the block stages its token's row and
-// either copies both expert tables (the matrices' descriptors) into shared memory (ids: after the
-// wait the first weight load follows the expert id by a shared-memory read, not another L2 trip)
-// or pulls them into L1 (logits).
+// with ids copies both expert tables (the matrices' descriptors) into shared memory (after the
+// wait the first weight load follows the expert id by a shared-memory read, not another L2 trip);
+// with logits it reads its expert's descriptor once routed.
 // Shared memory: the staged row, then copies of both expert tables.
 __host__ __device__ constexpr int64_t moe_gate_up_tables_offset(int64_t hidden) {
   return (mma_x_bytes(1, hidden) + 15) / 16 * 16;
@@ -400,16 +400,11 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
   NIBBLE_TIMELINE_BLOCK(kMoeGateUp);
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   auto* tables = reinterpret_cast<Int4Weight*>(dynamic_smem() + moe_gate_up_tables_offset(hidden));
-  if (logits) {
-    // Routing here: the expert is known ~1 µs after the wait, so the tables are only pulled into
-    // L1 now. Copying them (12 KB a block through L2) took gate/up's pre-wait part to ~6 µs,
-    // which the old router's 7 µs hid and the logits-only router's 2 µs does not.
-    const int64_t lines = (n_experts * int64_t(sizeof(Int4Weight)) + 127) / 128 + 1;
-    if (threadIdx.x < 2 * lines) {
-      const char* table = reinterpret_cast<const char*>(threadIdx.x < lines ? gate : up);
-      prefetch_l1(table + 128 * (threadIdx.x % lines));
-    }
-  } else {
+  // With logits (routing here, after the wait) the block reads only its expert's descriptor, once
+  // it is known: an L2 hit. Copying both tables (12 KB a block through L2) took gate/up's pre-wait
+  // part to ~6 µs, and even pulling them into L1 (the 384 blocks' 4 MB of L2 traffic while the
+  // router runs) cost 1.2% tg128 against this (BENCHMARKS.md).
+  if (!logits) {
     for (int64_t i = threadIdx.x; i < 2 * n_experts * kWords; i += blockDim.x) {  // [gate | up]
       const int64_t per_table = n_experts * kWords;
       const auto* src = reinterpret_cast<const uint64_t*>(i < per_table ? gate : up);
