@@ -255,10 +255,11 @@ __global__ void __launch_bounds__(32 * kRouterLogitsWarps) moe_router_logits_ker
   const int64_t row = int64_t(blockIdx.x) * kRouterLogitsWarps + threadIdx.x / 32;
   RouterRow<T> rw;
   rw.load(w, row, n_experts, hidden);
-  // Gate/up is released once the logits are made, not at the wait (pdl.cuh): it has little to
-  // load before its own wait, and released early its 384 blocks only take issue slots and L2
-  // bandwidth from this kernel's reads (+0.5-0.7% at depth; BENCHMARKS.md).
-  pdl_enter_at<kPdlRouter, kPdlAfterProducts>();
+  // Gate/up is released at the wait: its blocks then become resident while this kernel runs.
+  // Released after the logits, +0.5-0.7% at depth while each gate/up block pulled both expert
+  // tables into L1 before its wait (~4 MB of L2 traffic against this kernel's reads); without
+  // that prefetch (512121e) the wait is +0.7% at depth 0 and a tie at 8192 and 16384 (BENCHMARKS.md).
+  pdl_enter_at<kPdlRouter, kPdlAtWait>();
   NIBBLE_TIMELINE_WAITED();
   if (!rw.valid) return;
   for (int mi = 0; mi < m; ++mi) {
@@ -301,7 +302,7 @@ __global__ void __launch_bounds__(32 * kRouterLogitsWarps) moe_router_logits_ker
     }
     const float inv = kNorm ? rsqrtf(warp_sum(ss) / float(hidden) + eps) : 1.f;
     dot = warp_sum(dot) * inv;
-    pdl_trigger_at<kPdlRouter, kPdlAfterProducts>(kPdlAfterProducts);
+    pdl_trigger_at<kPdlRouter, kPdlAtWait>(kPdlAfterProducts);
     if (lane < replicas) logits[lane * replica_stride + mi * n_experts + row] = dot;
     if (xn && row < kRouterVecs) {
 #pragma unroll

@@ -13,9 +13,8 @@
 // released, the successor's blocks issue their weight loads, and a read on this kernel's critical
 // path then queues behind them. So the decode GEMVs release it after staging their input row, the
 // INT4 MoE gate/up after its routing and row, the INT4 MoE down after copying its activations, the
-// Qwen3 router after its products, the tensor-core decode attention after its loop (its
-// "products"); gpt-oss's
-// router and the MXFP4 expert stream release it at the wait (pdl_enter / pdl_enter_at). Every
+// tensor-core decode attention after its loop (its "products"); the routers (Qwen3's and
+// gpt-oss's) and the MXFP4 expert stream release it at the wait (pdl_enter / pdl_enter_at). Every
 // place was measured (BENCHMARKS.md); earlier than the wait measured worse everywhere it was
 // tried, and so did the end of the MXFP4 MoE kernels.
 // On older GPUs both are no-ops and launches serialise as usual.
