@@ -27,6 +27,12 @@ void Backend::rms_norm_moe_add(const WeightVector& norm, float eps, const MoeWei
   add(y.data(), m * hidden, x);
 }
 
+void Backend::linear_add_rms_norm_moe_add(const LinearWeight& o, const float* a, const WeightVector& norm, float eps,
+                                          const MoeWeights& w, int64_t m, float* x) {
+  linear_add(o, a, m, x);
+  rms_norm_moe_add(norm, eps, w, m, x);
+}
+
 void Backend::qk_norm_rope_attention(const float* q_in, int64_t q_stride, const float* k_new, const float* v_new,
                                      int64_t kv_stride, const WeightVector& q_norm, const WeightVector& k_norm,
                                      float eps, const RopeTable& rope, const int32_t* positions, int64_t m,

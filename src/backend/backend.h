@@ -149,6 +149,10 @@ class Backend {
                                int64_t m, float* out);
   virtual void linear_add(const LinearWeight& w, const float* a, int64_t m, float* x);
   virtual void rms_norm_moe_add(const WeightVector& norm, float eps, const MoeWeights& w, int64_t m, float* x);
+  //   linear_add_rms_norm_moe_add: linear_add(o, a, m, x), then rms_norm_moe_add(norm, eps, w, m, x)
+  //                   (the CUDA backend folds the MoE router into the o projection at one token)
+  virtual void linear_add_rms_norm_moe_add(const LinearWeight& o, const float* a, const WeightVector& norm, float eps,
+                                           const MoeWeights& w, int64_t m, float* x);
   //   qk_norm_rope_attention: qk_norm_rope_kv_write (q to q_scratch [m, n_head, hd]), then attention
   //                   over the same cache, for a decode step: every token is its sequence's one new
   //                   token, so none attends to another's new row (the CUDA backend fuses both).

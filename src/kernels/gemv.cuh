@@ -233,6 +233,8 @@ struct GemvIo {
   bool accumulate;
   float* normed_out = nullptr;  // split-K kernel with the norm: block 0 also writes the normalised rows here
   void* staged_out = nullptr;   // INT4 mma kernel with the norm: block 0 also writes its staged rows here
+  unsigned long long* clear = nullptr;  // INT4 mma kernel: block 0 zeroes clear[0..clear_count) after its wait
+  int clear_count = 0;
 };
 
 // y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b) for m <= M activation rows. PDL: the first weight rows
@@ -458,9 +460,11 @@ struct TileStore {
       prev[j] = accumulate && mine ? y[mi * n + row] : 0.f;
     }
   }
-  // partial: [tile][warp along K][token][row of the tile].
+  // partial: [tile][warp along K][token][row of the tile]. written(tile row, token, value) sees
+  // each stored output (the folded router's epilogue, gemv_mma.cuh).
+  template <typename Written>
   __device__ __forceinline__ void store(const float (&partial)[NTB][KS][kGemvMaxM][16], float* __restrict__ y, int m,
-                                        int64_t n) const {
+                                        int64_t n, Written&& written) const {
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       int tn, mi, r;
@@ -469,8 +473,14 @@ struct TileStore {
       float s = 0.f;
 #pragma unroll
       for (int i = 0; i < KS; ++i) s += partial[tn][i][mi][r];
-      y[mi * n + row] = prev[j] + s + b[j];
+      const float v = prev[j] + s + b[j];
+      y[mi * n + row] = v;
+      written(tn * 16 + r, mi, v);
     }
+  }
+  __device__ __forceinline__ void store(const float (&partial)[NTB][KS][kGemvMaxM][16], float* __restrict__ y, int m,
+                                        int64_t n) const {
+    store(partial, y, m, n, [](int, int, float) {});
   }
 };
 

@@ -329,18 +329,56 @@ __device__ __forceinline__ const uint2* mma_x_units(const __half* xs, int64_t k,
   return g < m ? reinterpret_cast<const uint2*>(xs + g * mma_x_stride(k)) + t : nullptr;
 }
 
+// The MoE router folded into an o projection that adds into the residual (kFold, one token; see
+// moe_route.cuh RouterAcc): w [n_experts][n] 16-bit router rows (bf16, or f16), norm the MoE's
+// RMS-norm weights [n]. Each thread holds kFoldExpertsPerThread experts' weights for the block's
+// 16·NTB rows (loaded before the wait, as the router kernel loaded its rows), n_experts <=
+// kFoldExpertsPerThread · threads and n % (16 · NTB) == 0 (the launcher checks).
+// The block's rows of x · γ / 16 also go to xg, as f16 in the decode mma order: the gate/up
+// kernel's staged row, which it scales by 16 / rms once the sums give the rms (x · γ itself could
+// pass f16's range where a residual has very large entries; / 16 keeps 16x that headroom and
+// loses only the relative precision of entries below 2^-10 of the row's scale).
+struct RouterFold {
+  const uint16_t* w;
+  const float* norm;
+  __half* xg;
+  RouterAcc acc;
+  int64_t n_experts;
+  bool bf16;
+};
+constexpr int kFoldExpertsPerThread = 2;
+
+__device__ __forceinline__ float fold_weight(uint32_t bits16, bool bf16) {
+  return bf16 ? __uint_as_float(bits16 << 16) : __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
+}
+
 // y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b), m <= kGemvMaxM. A block has NTB 16-row tiles × KS warps
 // along K; warp (nt, kw) takes groups kw, kw + KS, ... of tile nt.
-template <int CPG, bool kNorm, int KS, int NTB>
+template <int CPG, bool kNorm, int KS, int NTB, bool kFold = false>
 __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight w, const float* __restrict__ bias,
                                                                       const float* __restrict__ x,
                                                                       float* __restrict__ y, int m, int64_t n,
-                                                                      int64_t k, GemvIo io) {
+                                                                      int64_t k, GemvIo io, RouterFold fold) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int nt = warp / KS, kw = warp % KS;
   NIBBLE_TIMELINE_BLOCK(kGemvInt4);
   MmaTile<CPG, KS> tile;
   tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw);  // weights need no predecessor
+  // The folded router's rows and norm weights for this block's outputs, before the wait too.
+  constexpr int kFoldVecs = kFold ? 2 * NTB : 1;  // 16-byte vectors of an expert's 16·NTB weights
+  uint4 fw[kFold ? kFoldExpertsPerThread : 1][kFoldVecs];
+  float gamma = 0.f;
+  if constexpr (kFold) {
+    const int64_t row0 = int64_t(blockIdx.x) * NTB * 16;
+#pragma unroll
+    for (int i = 0; i < kFoldExpertsPerThread; ++i) {
+      const int64_t e = threadIdx.x + i * int64_t(blockDim.x);
+#pragma unroll
+      for (int v = 0; v < kFoldVecs; ++v)
+        if (e < fold.n_experts) fw[i][v] = __ldcs(reinterpret_cast<const uint4*>(fold.w + e * n + row0) + v);
+    }
+    if (threadIdx.x < 16 * NTB) gamma = __ldg(fold.norm + row0 + threadIdx.x);
+  }
   // The successor is released once x is staged, so the row's L2 reads do not queue behind the
   // successor's weight loads. With the MoE kernels' places below, +6% a Qwen3 decode step at
   // depth 0 (BENCHMARKS.md).
@@ -349,6 +387,8 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   NIBBLE_TIMELINE_WAITED();
   TileStore<KS, NTB> store;  // the bias and the residual, fetched before the products
   store.load(bias, y, m, n, io.accumulate, int64_t(blockIdx.x) * NTB);
+  if (io.clear && blockIdx.x == 0)  // a folded router's sums, read by the kernels this one waited for
+    for (int i = threadIdx.x; i < io.clear_count; i += blockDim.x) io.clear[i] = 0;
   XRows<kGemvMaxM, kNorm> xr{x, k, m, io.norm, {}};
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
@@ -369,7 +409,45 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   if (2 * t < m) partial[nt][kw][2 * t][g] = d.x, partial[nt][kw][2 * t][g + 8] = d.z;
   if (2 * t + 1 < m) partial[nt][kw][2 * t + 1][g] = d.y, partial[nt][kw][2 * t + 1][g + 8] = d.w;
   __syncthreads();
-  store.store(partial, y, m, n);
+  if constexpr (!kFold) {
+    store.store(partial, y, m, n);
+  } else {
+    // The router's share of this block's rows (m = 1: thread j stores row j): γ·h for the
+    // logits, h² for the norm, then one fixed-point add per expert and one for Σh².
+    __shared__ float s_gh[16 * NTB], s_hh[16 * NTB];
+    const int64_t row0 = int64_t(blockIdx.x) * NTB * 16;
+    store.store(partial, y, m, n, [&](int r, int, float h) {
+      s_gh[r] = gamma * h, s_hh[r] = h * h;
+      fold.xg[gemv_mma_x_half(row0 + r)] = __float2half_rn(gamma * h * (1.f / kRouterFoldRowInvScale));
+    });
+    __syncthreads();
+    unsigned long long* sums = fold.acc.sums;
+#pragma unroll
+    for (int i = 0; i < kFoldExpertsPerThread; ++i) {
+      const int64_t e = threadIdx.x + i * int64_t(blockDim.x);
+      if (e >= fold.n_experts) break;
+      float dot = 0.f;
+#pragma unroll
+      for (int v = 0; v < kFoldVecs; ++v) {
+        const uint32_t u[4] = {fw[i][v].x, fw[i][v].y, fw[i][v].z, fw[i][v].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          dot = fmaf(fold_weight(u[j] & 0xffffu, fold.bf16), s_gh[8 * v + 2 * j], dot);
+          dot = fmaf(fold_weight(u[j] >> 16, fold.bf16), s_gh[8 * v + 2 * j + 1], dot);
+        }
+      }
+      const unsigned long long v = router_acc_fixed(dot, kRouterAccLogitScale);
+      for (int r = 0; r < fold.acc.replicas; ++r) atomicAdd(sums + r * fold.acc.stride + e, v);
+    }
+    if (warp == 0) {
+      float ss = 0.f;
+      for (int r = lane; r < 16 * NTB; r += 32) ss += s_hh[r];
+      ss = warp_sum(ss);
+      const unsigned long long v = router_acc_fixed(ss, kRouterAccSquareScale);
+      if (lane == 0)
+        for (int r = 0; r < fold.acc.replicas; ++r) atomicAdd(sums + r * fold.acc.stride + fold.n_experts, v);
+    }
+  }
 }
 
 // MoE decode, stage 1: for token t and slot s (expert e = ids[t, s], or with logits the s-th
@@ -388,13 +466,16 @@ __host__ __device__ constexpr int64_t moe_gate_up_smem_bytes(int64_t hidden, int
   return moe_gate_up_tables_offset(hidden) + 2 * n_experts * int64_t(sizeof(Int4Weight));
 }
 
-// kOnce: one token (m = 1), so each expert is read once (mma_weights_load).
-template <int CPG, bool kNorm, int KS, bool kOnce>
+// kOnce: one token (m = 1), so each expert is read once (mma_weights_load). kFolded: routed from
+// a folded router's sums (racc); its own instantiation, so that the other routing's code stays out
+// of each (a larger kernel measured 7% slower a decode step: instruction fetch).
+template <int CPG, bool kNorm, int KS, bool kOnce, bool kFolded = false>
 __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
     const Int4Weight* __restrict__ gate, const Int4Weight* __restrict__ up, int64_t n_experts,
     const int32_t* __restrict__ ids, const float* __restrict__ logits, const __half* __restrict__ xn,
     const float* __restrict__ x, __half* __restrict__ act, int64_t top_k,
-    int64_t inter, int64_t hidden, const float* __restrict__ norm, float eps, int replicas, int64_t replica_stride) {
+    int64_t inter, int64_t hidden, const float* __restrict__ norm, float eps, int replicas, int64_t replica_stride,
+    RouterAcc racc) {
   static_assert(sizeof(Int4Weight) % 8 == 0);
   constexpr int kWords = int(sizeof(Int4Weight) / 8);
   NIBBLE_TIMELINE_BLOCK(kMoeGateUp);
@@ -404,7 +485,7 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
   // it is known: an L2 hit. Copying both tables (12 KB a block through L2) took gate/up's pre-wait
   // part to ~6 µs, and even pulling them into L1 (the 384 blocks' 4 MB of L2 traffic while the
   // router runs) cost 1.2% tg128 against this (BENCHMARKS.md).
-  if (!logits) {
+  if (!logits && !kFolded) {
     for (int64_t i = threadIdx.x; i < 2 * n_experts * kWords; i += blockDim.x) {  // [gate | up]
       const int64_t per_table = n_experts * kWords;
       const auto* src = reinterpret_cast<const uint64_t*>(i < per_table ? gate : up);
@@ -443,8 +524,18 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
   // With logits the router left the routing to this kernel: warp 0 picks the slot's expert (s + 1
   // arg-max rounds over the token's logits, copy blockIdx.x mod replicas of them), no routing
   // launch; the other warps take it from shared memory after the barrier they pass anyway.
+  // With the folded router, from the logits its sums make; xn is then o's x · γ / 16 (not yet
+  // normalised), and the sums' 16 / rms scales the products (s_scale).
   __shared__ int32_t s_expert;
-  if (logits && warp == 0) {
+  __shared__ float s_scale;
+  if constexpr (kFolded) {
+    if (warp == 0) {
+      const float inv = router_acc_inv_rms(racc, n_experts);
+      const int32_t e = route_choice_sized_by([&](int64_t i) { return router_acc_logit(racc, i, inv); }, n_experts,
+                                              slot % top_k);
+      if (lane == 0) s_expert = e, s_scale = inv * kRouterFoldRowInvScale;
+    }
+  } else if (logits && warp == 0) {
     const float* l = logits + (blockIdx.x % replicas) * replica_stride + (slot / top_k) * n_experts;
     const int32_t e = route_choice_sized(l, n_experts, slot % top_k);
     if (lane == 0) s_expert = e;
@@ -462,8 +553,9 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
   __syncthreads();  // the tables and the staged row
   NIBBLE_TIMELINE_MARK_AT(2);  // the row in shared memory, before the first weight load
   pdl_trigger_at<kPdlGateUp, kPdlAfterInput>(kPdlAfterInput);
-  const int32_t e = logits ? s_expert : ids[slot];
-  const Int4Weight w = logits ? (h ? up : gate)[e] : tables[h * n_experts + e];
+  const bool routed = kFolded || logits;
+  const int32_t e = routed ? s_expert : ids[slot];
+  const Int4Weight w = routed ? (h ? up : gate)[e] : tables[h * n_experts + e];
   MmaTile<CPG, KS, kOnce> tile;
   tile.start(w, tile0, inter, hidden, kw);
   float acc[kMmaChains][4] = {};
@@ -478,6 +570,7 @@ __global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
     float gs = 0.f, us = 0.f;
 #pragma unroll
     for (int j = 0; j < KS; ++j) gs += partial[0][j][threadIdx.x], us += partial[1][j][threadIdx.x];
+    if constexpr (kFolded) gs *= s_scale, us *= s_scale;
     act[slot * inter + gemv_mma_x_half(tile0 + threadIdx.x)] = __float2half_rn(gs / (1.f + expf(-gs)) * us);
   }
 }
@@ -494,18 +587,28 @@ constexpr int kMoeDownSlots = 8;
 // Slot s's expert for MoE down: routed from the token's logits (lane 0 keeps the choice's logit in
 // s_logit[s]; slot 0 also the softmax's full sum where the weights are not renormalised over the
 // top k, choice 0 holding the maximum) or read from ids.
+// kFolded: from the logits a folded router's sums make (racc).
+template <bool kFolded>
 __device__ __forceinline__ int32_t moe_down_expert(const float* __restrict__ tok_logits, const int32_t* __restrict__ ids,
-                                                   int64_t n_experts, bool normalize, int s, int64_t tok,
-                                                   int64_t top_k, float* s_logit, float* s_sum) {
-  if (!tok_logits) return ids[tok * top_k + s];
-  float logit;
-  const int32_t e = route_choice_sized(tok_logits, n_experts, s, &logit);
-  if (threadIdx.x % 32 == 0) s_logit[s] = logit;
-  if (s == 0 && !normalize) {
-    const float sum = route_softmax_sum(tok_logits, n_experts, logit);
-    if (threadIdx.x % 32 == 0) *s_sum = sum;
+                                                   const RouterAcc& racc, int64_t n_experts, bool normalize, int s,
+                                                   int64_t tok, int64_t top_k, float* s_logit, float* s_sum) {
+  auto route = [&](auto&& logit_of) {
+    float logit;
+    const int32_t e = route_choice_sized_by(logit_of, n_experts, s, &logit);
+    if (threadIdx.x % 32 == 0) s_logit[s] = logit;
+    if (s == 0 && !normalize) {
+      const float sum = route_softmax_sum_by(logit_of, n_experts, logit);
+      if (threadIdx.x % 32 == 0) *s_sum = sum;
+    }
+    return e;
+  };
+  if constexpr (kFolded) {
+    const float inv = router_acc_inv_rms(racc, n_experts);
+    return route([&](int64_t e) { return router_acc_logit(racc, e, inv); });
+  } else {
+    if (!tok_logits) return ids[tok * top_k + s];
+    return route([&](int64_t e) { return __ldcg(tok_logits + e); });
   }
-  return e;
 }
 
 // Row r of a token's tile: prev + Σ_s weight_s · partial[s][r], the weights from the kept logits
@@ -528,12 +631,12 @@ __device__ __forceinline__ float moe_down_combine(const float (&partial)[kMoeDow
   return prev + total;
 }
 
-template <int CPG, bool kOnce>
+template <int CPG, bool kOnce, bool kFolded = false>
 __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
     const Int4Weight* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
     const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
     float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate, int replicas,
-    int64_t replica_stride) {
+    int64_t replica_stride, RouterAcc racc) {
   const int s = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t tok = blockIdx.y, tile0 = int64_t(blockIdx.x) * 16;
   NIBBLE_TIMELINE_BLOCK(kMoeDown);
@@ -545,7 +648,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   MmaTile<CPG, 1, kOnce> tile;
   Int4Weight wd{};
   if (s < top_k) {
-    wd = down[moe_down_expert(tok_logits, ids, n_experts, normalize, s, tok, top_k, s_logit, &s_sum)];
+    wd = down[moe_down_expert<kFolded>(tok_logits, ids, racc, n_experts, normalize, s, tok, top_k, s_logit, &s_sum)];
     tile.start(wd, tile0, hidden, inter, 0);
   }
   // The residual this adds to was last written before the router, two launches back.
@@ -567,8 +670,9 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
   if (t == 0 && s < top_k) partial[s][g] = d.x, partial[s][g + 8] = d.z;
   __syncthreads();
   if (mine)
-    out[tok * hidden + tile0 + threadIdx.x] = moe_down_combine(partial, int(threadIdx.x), tok_logits != nullptr, normalize,
-                                                               s_logit, s_sum, weights ? weights + tok * top_k : nullptr, top_k, prev);
+    out[tok * hidden + tile0 + threadIdx.x] =
+        moe_down_combine(partial, int(threadIdx.x), kFolded || tok_logits != nullptr, normalize, s_logit,
+                         s_sum, weights ? weights + tok * top_k : nullptr, top_k, prev);
 }
 
 }  // namespace nibble::kernels

@@ -103,10 +103,11 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
 // The expert of a token's choice s (0-based, s < top_k), by one warp from its logits (through L2):
 // s + 1 of route_token's arg-max rounds, the same keys and tie rule, no softmax. The expert
 // kernels pick their slot's expert this way when the router leaves the routing to them. Every
-// lane returns it; *logit (when given) is its logit.
-template <int kMaxPerLane = kMoeMaxExpertsPerLane>
-__device__ __forceinline__ int32_t route_choice(const float* __restrict__ l, int64_t n_experts, int64_t s,
-                                                float* logit = nullptr) {
+// lane returns it; *logit (when given) is its logit. route_choice_by takes the logits from
+// logit(e) instead (the folded router's sums, RouterAcc below).
+template <int kMaxPerLane = kMoeMaxExpertsPerLane, typename Logit>
+__device__ __forceinline__ int32_t route_choice_by(Logit&& logit_of, int64_t n_experts, int64_t s,
+                                                   float* logit = nullptr) {
   const int lane = threadIdx.x % 32;
   const int per_lane = int((n_experts + 31) / 32);
   uint32_t key[kMaxPerLane];
@@ -114,13 +115,19 @@ __device__ __forceinline__ int32_t route_choice(const float* __restrict__ l, int
   for (int i = 0; i < kMaxPerLane; ++i) {
     if (i >= per_lane) break;
     const int64_t e = lane + 32 * i;
-    key[i] = e < n_experts ? route_key(__ldcg(l + e)) : 0u;
+    key[i] = e < n_experts ? route_key(logit_of(e)) : 0u;
   }
   int32_t e = 0;
   uint32_t best;
   for (int64_t j = 0; j <= s; ++j) e = route_round(key, per_lane, &best);
   if (logit) *logit = route_logit(best);
   return e;
+}
+
+template <int kMaxPerLane = kMoeMaxExpertsPerLane>
+__device__ __forceinline__ int32_t route_choice(const float* __restrict__ l, int64_t n_experts, int64_t s,
+                                                float* logit = nullptr) {
+  return route_choice_by<kMaxPerLane>([&](int64_t e) { return __ldcg(l + e); }, n_experts, s, logit);
 }
 
 // Where the expert kernels route for themselves (gemv_mma.cuh), route_choice with its loops sized
@@ -130,18 +137,78 @@ __device__ __forceinline__ int32_t route_choice(const float* __restrict__ l, int
 // registers). g_route_wide = 1 (NIBBLE_ROUTE_WIDE=1, A/B runs): the 16-a-lane loops always.
 static __constant__ int g_route_wide = 0;
 
-__device__ __forceinline__ int32_t route_choice_sized(const float* __restrict__ l, int64_t n_experts, int64_t s,
-                                                      float* logit = nullptr) {
-  if (n_experts <= 128 && !g_route_wide) return route_choice<4>(l, n_experts, s, logit);
-  return route_choice(l, n_experts, s, logit);
+template <typename Logit>
+__device__ __forceinline__ int32_t route_choice_sized_by(Logit&& logit_of, int64_t n_experts, int64_t s,
+                                                         float* logit = nullptr) {
+  if (n_experts <= 128 && !g_route_wide) return route_choice_by<4>(logit_of, n_experts, s, logit);
+  return route_choice_by(logit_of, n_experts, s, logit);
 }
 
-// Σ exp(l - mx) over a token's logits, by one warp (the softmax's denominator).
-__device__ __forceinline__ float route_softmax_sum(const float* __restrict__ l, int64_t n_experts, float mx) {
+__device__ __forceinline__ int32_t route_choice_sized(const float* __restrict__ l, int64_t n_experts, int64_t s,
+                                                      float* logit = nullptr) {
+  return route_choice_sized_by([&](int64_t e) { return __ldcg(l + e); }, n_experts, s, logit);
+}
+
+// Σ exp(l - mx) over a token's logits, by one warp (the softmax's denominator); _by: logit(e).
+template <typename Logit>
+__device__ __forceinline__ float route_softmax_sum_by(Logit&& logit_of, int64_t n_experts, float mx) {
   float sum = 0.f;
-  for (int64_t e = threadIdx.x % 32; e < n_experts; e += 32) sum += expf(__ldcg(l + e) - mx);
+  for (int64_t e = threadIdx.x % 32; e < n_experts; e += 32) sum += expf(logit_of(e) - mx);
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   return sum;
+}
+
+__device__ __forceinline__ float route_softmax_sum(const float* __restrict__ l, int64_t n_experts, float mx) {
+  return route_softmax_sum_by([&](int64_t e) { return __ldcg(l + e); }, n_experts, mx);
+}
+
+// The router folded into the previous projection (the o GEMV, gemv_mma.cuh RouterFold): a decode
+// step's router reads the residual row that the o projection's blocks have just written, so
+// instead of a launch of its own each o block adds its 16 rows' share of every logit,
+// Σ_j W[e, j] γ_j h_j, and of Σ_j h_j², to sums[replica][0..E) and sums[replica][E]. The shares
+// are 64-bit fixed point, added as integers: the sums do not depend on the order the blocks
+// arrive in, so the routing is as deterministic as a single kernel's. The RMS norm is linear in
+// the logits, so it applies to the sums: logit_e = sum_e · 2^-32 · rsqrt(Σh² · 2^-24 / H + eps).
+// Every o block adds to each of `replicas` copies, and expert block b reads copy b mod replicas
+// (one copy measured best: 4, 8 and 16 took -0.5, -1.9 and -2.6% tg128 in their extra atomics;
+// entries spread over more lines, -0.4 to -1.6%, BENCHMARKS.md). The readers' loads of the
+// entries must all be in flight at once: a loop over copies per entry put them in series and
+// lost 3%.
+// The kernel after MoE down (the next q/k/v GEMV, GemvIo::clear) zeroes them for the next step:
+// by its wait both readers, gate/up and down, are done.
+struct RouterAcc {
+  unsigned long long* sums;  // [replicas][stride]
+  int replicas;
+  int64_t stride;  // >= n_experts + 1
+  int64_t hidden;
+  float eps;
+};
+
+constexpr float kRouterFoldRowInvScale = 16.f;         // the staged row is x · γ / 16
+constexpr float kRouterAccLogitScale = 4294967296.f;  // 2^32: |a block's share| < 2^23 fits
+constexpr float kRouterAccSquareScale = 16777216.f;   // 2^24: a block's Σh² < 2^31 fits
+
+// A share as fixed point, clamped to ±2^55 so that 256 shares cannot overflow.
+__device__ __forceinline__ unsigned long long router_acc_fixed(float v, float scale) {
+  const float lim = 36028797018963968.f;  // 2^55
+  return static_cast<unsigned long long>(__float2ll_rn(fminf(fmaxf(v * scale, -lim), lim)));
+}
+
+// Entry i of copy blockIdx.x mod replicas (through L2: written by another kernel's atomics):
+// hundreds of expert blocks read the sums at once, each copy on lines of its own.
+__device__ __forceinline__ float router_acc_entry(const RouterAcc& a, int64_t i) {
+  const unsigned long long s = __ldcg(a.sums + (blockIdx.x % a.replicas) * a.stride + i);
+  return float(static_cast<long long>(s));
+}
+
+// 1 / rms of the row: the logits' factor and the staged row's.
+__device__ __forceinline__ float router_acc_inv_rms(const RouterAcc& a, int64_t n_experts) {
+  const float ss = router_acc_entry(a, n_experts) * (1.f / kRouterAccSquareScale);
+  return rsqrtf(ss / float(a.hidden) + a.eps);
+}
+
+__device__ __forceinline__ float router_acc_logit(const RouterAcc& a, int64_t e, float inv) {
+  return router_acc_entry(a, e) * (1.f / kRouterAccLogitScale) * inv;
 }
 
 }  // namespace nibble::kernels

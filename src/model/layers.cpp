@@ -6,7 +6,7 @@
 namespace nibble {
 
 void Model::self_attention(const Step& step, int64_t layer, const LayerWeights& l, const RopeTable& rope, float* x,
-                           AttentionBuffers& b) const {
+                           AttentionBuffers& b, const WeightVector* moe_norm) const {
   const auto& c = config_;
   Backend& be = backend_;
   const int64_t T = step.n_tokens, H = c.hidden_size, hd = c.head_dim;
@@ -49,6 +49,10 @@ void Model::self_attention(const Step& step, int64_t layer, const LayerWeights& 
   if (!attended) {
     trace(name + ".q", q, T, nq);
     attend(step, layer, q, nh, nkv, hd, scale, b.out.data(), l.sinks.data, l.sliding_window);
+  }
+  if (moe_norm) {
+    be.linear_add_rms_norm_moe_add(l.o, b.out.data(), *moe_norm, eps, l.moe, T, x);
+    return;
   }
   be.linear_add(l.o, b.out.data(), T, x);
   trace(name + ".attn_residual", x, T, H);

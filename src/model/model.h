@@ -193,8 +193,12 @@ class Model {
   // x += o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v)) over rms_norm(x) · input_norm,
   // with q, k and v fused into one projection where the backend did, q/k norms where l has
   // them, and l's sinks and sliding window. Appends the step's keys and values to its cache.
+  // With `moe_norm` (a layer whose MoE block follows, when no tracer looks between them), the o
+  // projection and the MoE block are one op: Backend::linear_add_rms_norm_moe_add(l.o, …,
+  // *moe_norm, eps, l.moe), which a backend may fuse.
   void self_attention(const Step& step, int64_t layer, const LayerWeights& l, const RopeTable& rope, float* x,
-                      AttentionBuffers& buffers) const;
+                      AttentionBuffers& buffers, const WeightVector* moe_norm = nullptr) const;
+  bool tracing() const { return static_cast<bool>(tracer_); }
   // sinks and window as Backend::attention takes them.
   void attend(const Step& step, int64_t layer, const float* q, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
               float scale, float* out, const float* sinks = nullptr, int64_t window = 0) const;

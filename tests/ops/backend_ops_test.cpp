@@ -784,5 +784,63 @@ TEST_F(OpsTest, FusedResidualOps) {
     }
 }
 
+// The o projection and the MoE block as one op (Backend::linear_add_rms_norm_moe_add): at one
+// token the CUDA backend folds the router into the INT4 o GEMV, whose blocks add fixed-point
+// shares of the logits and of Σx² that the expert kernels route and normalise from, cleared for
+// the next call by the next INT4 GEMV or the next fold (three calls check both). Cases: Qwen3-30B-A3B's shapes
+// (o 4096 -> 2048, 128 experts of 768, top 8, BF16 router), 256 experts (two a thread) with an
+// F16 router, 512 experts on 8 warps along K without renormalising over the top k, and an o
+// projection of 2048 k whose GEMV has two tiles a block (not folded: the composed ops). Two
+// tokens take the composed ops too.
+TEST_F(OpsTest, RouterFoldedIntoO) {
+  struct Case {
+    int64_t H, o_k, inter, E, top_k;
+    WeightFormat router_format;
+    bool normalize, folds;
+  };
+  for (const Case& c : {Case{2048, 4096, 768, 128, 8, WeightFormat::kBF16, true, true},
+                        Case{1024, 4096, 256, 256, 8, WeightFormat::kF16, true, true},
+                        Case{512, 5120, 256, 512, 6, WeightFormat::kBF16, false, true},
+                        Case{1024, 2048, 256, 40, 4, WeightFormat::kBF16, true, false}})
+    for (int64_t m : {1, 2}) {
+      MoeWeights host, dev;
+      host.top_k = dev.top_k = c.top_k;
+      host.normalize = dev.normalize = c.normalize;
+      host.router = random_weight(c.router_format, c.E, c.H);
+      dev.router = gpu_->upload(host.router);
+      for (int64_t e = 0; e < c.E; ++e) {
+        host.experts.push_back({random_weight(WeightFormat::kInt4, c.inter, c.H, 128, false, true),
+                                random_weight(WeightFormat::kInt4, c.inter, c.H, 128, false, true),
+                                random_weight(WeightFormat::kInt4, c.H, c.inter, 128, false, true)});
+        const MlpWeights& ex = host.experts.back();
+        dev.experts.push_back({gpu_->upload(ex.gate), gpu_->upload(ex.up), gpu_->upload(ex.down)});
+      }
+      const LinearWeight o_host = random_weight(WeightFormat::kInt4, c.H, c.o_k, 128, false, false);
+      const LinearWeight o_dev = gpu_->upload(o_host);
+      const WeightVector norm_host = host_vector(random(c.H));
+      const WeightVector norm_dev = gpu_->upload(norm_host);
+      const std::string what = fmt::format("o {}->{}, {} experts of {}, top {}, {} router{}, m={}", c.o_k, c.H, c.E,
+                                           c.inter, c.top_k, weight_format_name(c.router_format),
+                                           c.normalize ? "" : ", not renormalised", m);
+      for (int call = 0; call < 3; ++call) {
+        const auto x = random(m * c.H, 2.f), a = random(m * c.o_k, 1.f);
+        std::vector<float> want = x;
+        cpu_->linear_add_rms_norm_moe_add(o_host, a.data(), norm_host, 1e-6f, host, m, want.data());
+        float* got = on_gpu(x);
+#if defined(NIBBLE_HAVE_CUDA)
+        const int64_t folds_before = cuda::router_fold_launches();
+#endif
+        gpu_->linear_add_rms_norm_moe_add(o_dev, on_gpu(a), norm_dev, 1e-6f, dev, m, got);
+        expect_close(to_host(got, m * c.H), want, fmt::format("{}, call {}", what, call), kF16Tolerance);
+#if defined(NIBBLE_HAVE_CUDA)
+        EXPECT_EQ(cuda::router_fold_launches() - folds_before, c.folds && m == 1 ? 1 : 0) << what;
+#endif
+        // After the first call an INT4 decode GEMV zeroes the sums (as the next layer's q/k/v
+        // would); after the second the third call's fold does.
+        if (call == 0) gpu_->linear_add(o_dev, on_gpu(random(c.o_k)), 1, on_gpu(random(c.H)));
+      }
+    }
+}
+
 }  // namespace
 }  // namespace nibble

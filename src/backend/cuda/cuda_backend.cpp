@@ -464,6 +464,47 @@ class CudaBackend final : public Backend {
     run_moe_decode(w, x, norm.data, eps, m, x, true);
   }
 
+  // One token through an INT4 o projection into an INT4 MoE block with a 16-bit router: the
+  // router folded into the o GEMV (its blocks add their rows' shares of the logits and of the
+  // norm's Σx², kernels/moe_route.cuh RouterAcc), so the router's launch and the boundary before
+  // it leave the layer's chain: Qwen3-30B-A3B INT4 tg128 +1.7% at depth 0, +1.5% at 8192 (H100,
+  // BENCHMARKS.md). NIBBLE_NO_ROUTER_FOLD=1: the two ops, for A/B runs.
+  void linear_add_rms_norm_moe_add(const LinearWeight& o, const float* a, const WeightVector& norm, float eps,
+                                   const MoeWeights& w, int64_t m, float* x) override {
+    static const bool off = std::getenv("NIBBLE_NO_ROUTER_FOLD") != nullptr;
+    const ExpertTables* tables = nullptr;
+    if (!off && m == 1 && o.format == WeightFormat::kInt4 && o.int4.layout == Int4Layout::kWarpInterleaved &&
+        o.n == w.router.k && (w.router.format == WeightFormat::kBF16 || w.router.format == WeightFormat::kF16) &&
+        moe_decode(w, m) && (tables = router_fold_sums(w)) != nullptr) {
+      OpProfiler::Scope scope(profiler_, "linear+add+moe");
+      flush_router_clear();  // an earlier fold's sums not yet cleared by a GEMV (these may be them)
+      const cuda::RouterAcc acc{tables->fold_sums.data<unsigned long long>(), tables->fold_replicas,
+                                tables->fold_stride};
+      Buffer xg(*this, size_t(o.n) * 2);  // x · γ / 16, f16 in the decode mma order: gate/up's row
+      if (cuda::gemv_int4_router_fold(int4_device(o), o.bias, a, x, o.n, o.k, w.router.dense,
+                                      w.router.format == WeightFormat::kBF16, norm.data, w.router.n, acc, xg.data())) {
+        CUDA_CHECK_LAUNCH("gemv_int4_router_fold");
+        run_moe_decode(w, x, norm.data, eps, m, x, true, &acc, xg.data());
+        router_clear_ = acc.sums, router_clear_count_ = int(acc.replicas * acc.stride);
+        return;
+      }
+    }
+    Backend::linear_add_rms_norm_moe_add(o, a, norm, eps, w, m, x);
+  }
+
+  // The folded router's sums wait to be zeroed for their next use: by the next INT4 decode GEMV
+  // after its PDL wait (gemv's io.clear: the q/k/v projection after MoE down, whose wait is after
+  // both readers), else by a memset at a capture's edge or before the next fold (a BF16 lm_head
+  // after the last layer leaves them to the end of the step's graph, or to the next step's first
+  // q/k/v when not recording).
+  unsigned long long* router_clear_ = nullptr;
+  int router_clear_count_ = 0;
+  void flush_router_clear() {
+    if (!router_clear_) return;
+    CUDA_CHECK(cudaMemsetAsync(router_clear_, 0, size_t(router_clear_count_) * 8, cudaStreamPerThread));
+    router_clear_ = nullptr;
+  }
+
   void embed(const LinearWeight& table, const int32_t* ids, int64_t m, float* out) override {
     OpProfiler::Scope scope(profiler_, "embed");
     NIBBLE_CHECK(table.format != WeightFormat::kInt4, "embed: INT4 embedding tables are not supported");
@@ -690,6 +731,7 @@ class CudaBackend final : public Backend {
     NIBBLE_ASSERT(!capturing_);
     // Not while queued steps (Model::decode_enqueue) run: the capture records only new work, but a
     // first recording may build tables with copies that would wait on them mid-capture.
+    flush_router_clear();
     CUDA_CHECK(cudaStreamSynchronize(cudaStreamPerThread));
     CUDA_CHECK(cudaStreamBeginCapture(cudaStreamPerThread, cudaStreamCaptureModeRelaxed));
     capturing_ = true;
@@ -698,6 +740,7 @@ class CudaBackend final : public Backend {
   }
 
   bool end_capture(uint64_t key) override {
+    flush_router_clear();  // recorded: the graph's step leaves the sums zero
     capturing_ = false;
     profiler_.paused_ = false;
     cudaGraph_t graph = nullptr;
@@ -819,7 +862,11 @@ class CudaBackend final : public Backend {
     return true;
   }
 
-  void gemv(const LinearWeight& w, const float* x, int64_t m, float* out, const cuda::GemvIo& io) {
+  void gemv(const LinearWeight& w, const float* x, int64_t m, float* out, cuda::GemvIo io) {
+    if (router_clear_ && w.format == WeightFormat::kInt4) {
+      io.clear = router_clear_, io.clear_count = router_clear_count_;
+      router_clear_ = nullptr;
+    }
     if (w.format == WeightFormat::kMxfp4)
       cuda::gemv_mxfp4(w.mxfp4.codes, w.mxfp4.scales, w.bias, x, out, m, w.n, w.k, io);
     else if (w.format == WeightFormat::kInt4)
@@ -846,7 +893,7 @@ class CudaBackend final : public Backend {
   // (+0.1-0.8% tg128 in three A/B runs, BENCHMARKS.md). NIBBLE_MOE_LOGIT_REPLICAS=n (1..32) for A/B.
   static constexpr int kMoeLogitReplicas = 8;
   void run_moe_decode(const MoeWeights& w, const float* x, const float* norm, float eps, int64_t m, float* out,
-                      bool accumulate) {
+                      bool accumulate, const cuda::RouterAcc* folded = nullptr, const void* folded_row = nullptr) {
     const ExpertTables* tables = expert_tables(w);
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k, inter = w.experts[0].gate.n;
     // Copies of the logits, each on lines of its own (cuda::MoeRouting::logit_replicas).
@@ -868,7 +915,9 @@ class CudaBackend final : public Backend {
     // 7% at 8192 (its one-block routing kernel on the critical path), kept for A/B runs.
     static const bool route_launch = std::getenv("NIBBLE_MOE_ROUTE_LAUNCH") != nullptr;
     cuda::MoeRouting routing;
-    if (four_bit(w.router)) {
+    if (folded) {  // the o projection made the router's sums and gate/up's row
+      routing.acc = *folded, routing.normalize = w.normalize, routing.xn = folded_row;
+    } else if (four_bit(w.router)) {
       // A 4-bit router: the decode GEMV normalises x, writes the logits (its activations in f16,
       // as every 4-bit product's) and, INT4, its staged rows for gate/up.
       const bool staged = w.router.format == WeightFormat::kInt4 && H % 8 == 0;
@@ -1039,7 +1088,40 @@ class CudaBackend final : public Backend {
     bool usable = false;
     int64_t group_shift = 0;
     Buffer gate, up, down;
+    // The folded router's sums and their readers' counter (cuda::RouterAcc), made on first use.
+    Buffer fold_sums;
+    int fold_replicas = 0;
+    int64_t fold_stride = 0;
   };
+  // Copies of the folded router's sums (every o block adds to each; expert block b reads copy b
+  // mod n): one measured best (kernels/moe_route.cuh). NIBBLE_ROUTER_FOLD_REPLICAS=n (1..16) for
+  // A/B runs.
+  static int router_fold_replicas() {
+    static const int n = [] {
+      const char* env = std::getenv("NIBBLE_ROUTER_FOLD_REPLICAS");
+      return env ? std::clamp(std::atoi(env), 1, 16) : 1;
+    }();
+    return n;
+  }
+  // The sums of w's folded router, zeroed once here (then after each use: router_clear_);
+  // null while capturing a graph before they exist (made with a synchronous memset).
+  const ExpertTables* router_fold_sums(const MoeWeights& w) {
+    auto* tables = const_cast<ExpertTables*>(expert_tables(w));
+    if (!tables) return nullptr;
+    if (!tables->fold_sums.data()) {
+      if (capturing_) {
+        capture_failed_ = true;
+        return nullptr;
+      }
+      const int replicas = router_fold_replicas();
+      const int64_t stride = (w.router.n + 1 + 15) / 16 * 16;  // 128-byte lines a copy
+      Buffer sums(*this, size_t(replicas * stride) * 8);
+      CUDA_CHECK(cudaMemsetAsync(sums.data(), 0, sums.bytes(), cudaStreamPerThread));
+      tables->fold_sums = std::move(sums);
+      tables->fold_replicas = replicas, tables->fold_stride = stride;
+    }
+    return tables;
+  }
   const ExpertTables* expert_tables(const MoeWeights& w) {
     if (!plain_moe(w)) return nullptr;  // backend_state may hold Mxfp4Tables
     if (w.backend_state) {

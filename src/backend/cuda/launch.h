@@ -60,10 +60,32 @@ struct GemvIo {
   // With `norm`, gemv_int4 also writes the normalised rows as its blocks stage them (f16 in the
   // decode mma order, [m, k]): a 4-bit MoE router, whose gate/up kernel copies them (MoeRouting::xn).
   void* staged_out = nullptr;
+  // gemv_int4 zeroes clear[0..clear_count) once the kernel it waits for is done (a folded router's
+  // sums, RouterAcc, for the next step).
+  unsigned long long* clear = nullptr;
+  int clear_count = 0;
 };
 // Decode GEMV (m <= kGemvMaxM activation rows).
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k, const GemvIo& io = {});
+// The MoE router's sums folded into an o projection (kernels/moe_route.cuh RouterAcc): 64-bit
+// fixed-point logit sums and Σh², `replicas` copies `stride` (>= n_experts + 1) apart, zero
+// before the o GEMV that adds into them; cleared after the MoE block (GemvIo::clear).
+struct RouterAcc {
+  unsigned long long* sums = nullptr;
+  int replicas = 1;
+  int64_t stride = 0;
+};
+// y[1, n] += x · Wᵀ (+ b) for one token with the router [n_experts, n] (16-bit: bf16 when
+// `bf16`, else f16) folded in: its blocks add Σ_j router[e, j] norm[j] y[j] and Σ y[j]² over
+// their rows into acc, and write y · norm / 16 to xg (f16 [n], decode mma order) for gate/up.
+// False, having launched nothing, where the shapes do not fit it (n_experts beyond two a thread,
+// rows not a multiple of 16, the streamed GEMV).
+bool gemv_int4_router_fold(const Int4Device& w, const float* bias, const float* x, float* y, int64_t n, int64_t k,
+                           const void* router, bool bf16, const float* norm, int64_t n_experts, const RouterAcc& acc,
+                           void* xg);
+// How many folded o GEMVs gemv_int4_router_fold has launched (the op test checks the fold ran).
+int64_t router_fold_launches();
 void gemv_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
                 int64_t n, int64_t k, const GemvIo& io = {});
 // The tensor-core form for BF16 weights (gemv_dense.cu): false, having launched nothing, where it
@@ -103,6 +125,8 @@ struct MoeRouting {
   // copy b % logit_replicas, which spreads the blocks' reads of the same logits over more lines.
   int logit_replicas = 1;
   int64_t replica_stride = 0;
+  // Or the sums of a router folded into the o projection (gemv_int4_router_fold): one token.
+  RouterAcc acc;
 };
 // MoE decode for m <= kGemvMaxM tokens with device-side routing: the tables hold each expert's
 // gate/up/down matrix (device arrays of Int4Device, n_experts long), all with the same

@@ -92,7 +92,9 @@ void dispatch_norm(const GemvIo& io, Fn&& fn) {
     fn(std::false_type{});
 }
 
-kernels::GemvIo to_kernel(const GemvIo& io) { return {io.norm, io.eps, io.accumulate, io.normed_out, io.staged_out}; }
+kernels::GemvIo to_kernel(const GemvIo& io) {
+  return {io.norm, io.eps, io.accumulate, io.normed_out, io.staged_out, io.clear, io.clear_count};
+}
 
 constexpr unsigned kDenseBlocksPerSm = 8;
 
@@ -351,8 +353,11 @@ static void gemv_int4_stream(const Int4Device& w, const float* bias, const float
 
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k, const GemvIo& io) {
-  if (const int stages = gemv_int4_stream_stages(w, m, n, k, io); stages > 0)
+  if (const int stages = gemv_int4_stream_stages(w, m, n, k, io); stages > 0) {
+    if (io.clear)  // the streamed kernel has no clear of its own
+      cudaMemsetAsync(io.clear, 0, size_t(io.clear_count) * 8, cudaStreamPerThread);  // errors: the caller checks
     return gemv_int4_stream(w, bias, x, y, n, k, io, stages);
+  }
   const kernels::Int4Weight kw = to_kernel(w);
   const size_t smem = size_t(kernels::mma_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
@@ -361,7 +366,7 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
         const auto kernel = kernels::gemv_int4_mma_kernel<CPG.value, kNorm.value, KS.value, NTB.value>;
         allow_smem(kernel, smem);
         launch_pdl_smem(kernel, blocks_for((n + 15) / 16, NTB.value), 32 * KS.value * NTB.value, smem, kw, bias, x, y,
-                        int(m), n, k, to_kernel(io));
+                        int(m), n, k, to_kernel(io), kernels::RouterFold{});
       };
       // A few tiles (a 4-bit MoE router: 128 rows) with long rows: 8 warps along K and a tile a
       // block, so that each warp's serial share is short (the router is on the critical path).
@@ -380,6 +385,41 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
         dispatch_mma_split(k, go, m);
     });
   });
+}
+
+static std::atomic<int64_t> g_router_fold_launches{0};
+int64_t router_fold_launches() { return g_router_fold_launches.load(std::memory_order_relaxed); }
+
+static kernels::RouterAcc to_kernel(const RouterAcc& a, int64_t hidden, float eps) {
+  return {a.sums, a.replicas, a.stride, hidden, eps};
+}
+
+bool gemv_int4_router_fold(const Int4Device& w, const float* bias, const float* x, float* y, int64_t n, int64_t k,
+                           const void* router, bool bf16, const float* norm, int64_t n_experts, const RouterAcc& acc,
+                           void* xg) {
+  if (gemv_int4_stream_stages(w, 1, n, k, {nullptr, 0.f, true}) > 0) return false;
+  const kernels::Int4Weight kw = to_kernel(w);
+  const size_t smem = size_t(kernels::mma_x_bytes(1, k));
+  bool launched = false;
+  dispatch_cpg(w.group_shift, [&](auto CPG) {
+    // The shapes gemv_int4 gives one token with one tile a block (o projections: k >= 1280).
+    dispatch_mma_split(k, [&](auto KS, auto NTB) {
+      if constexpr (NTB.value == 1) {
+        const int threads = 32 * KS.value;
+        if (n % 16 != 0 || n_experts > kernels::kFoldExpertsPerThread * threads) return;
+        const auto kernel = kernels::gemv_int4_mma_kernel<CPG.value, false, KS.value, 1, true>;
+        allow_smem(kernel, smem);
+        // The sums' norm fields are the readers' (moe_decode_int4): unused here.
+        const kernels::RouterFold fold{static_cast<const uint16_t*>(router), norm, static_cast<__half*>(xg),
+                                       to_kernel(acc, n, 0.f), n_experts, bf16};
+        launch_pdl_smem(kernel, unsigned(n / 16), threads, smem, kw, bias, x, y, 1, n, k,
+                        kernels::GemvIo{nullptr, 0.f, true, nullptr, nullptr}, fold);
+        launched = true;
+        g_router_fold_launches.fetch_add(1, std::memory_order_relaxed);
+      }
+    });
+  });
+  return launched;
 }
 
 void gemv_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
@@ -413,11 +453,18 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
       const dim3 grid(unsigned((inter + 15) / 16), unsigned(m * top_k));
       const size_t smem = size_t(kernels::moe_gate_up_smem_bytes(hidden, n_experts));
       auto gate_up = [&](auto kNorm, auto kOnce) {
-        const auto kernel = kernels::moe_gate_up_int4_mma_kernel<CPG.value, kNorm.value, KS.value, kOnce.value>;
-        allow_smem(kernel, smem);
-        launch_pdl_smem(kernel, grid, 64 * KS.value, smem, g, u, n_experts, routing.ids, routing.logits,
-                        static_cast<const __half*>(routing.xn), x, act_h, top_k, inter, hidden, norm, eps,
-                        routing.logit_replicas, routing.replica_stride);
+        auto go = [&](auto kFolded) {
+          const auto kernel =
+              kernels::moe_gate_up_int4_mma_kernel<CPG.value, kNorm.value, KS.value, kOnce.value, kFolded.value>;
+          allow_smem(kernel, smem);
+          launch_pdl_smem(kernel, grid, 64 * KS.value, smem, g, u, n_experts, routing.ids, routing.logits,
+                          static_cast<const __half*>(routing.xn), x, act_h, top_k, inter, hidden, norm, eps,
+                          routing.logit_replicas, routing.replica_stride, to_kernel(routing.acc, hidden, eps));
+        };
+        // A folded router is one token's (kOnce) with the norm.
+        if constexpr (kNorm.value && kOnce.value)
+          if (routing.acc.sums) return go(std::true_type{});
+        go(std::false_type{});
       };
       // One token reads each expert once (evict-first loads); a batch's tokens may share them.
       auto with_norm = [&](auto kOnce) {
@@ -435,11 +482,16 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
     const dim3 grid(unsigned((hidden + 15) / 16), unsigned(m));
     const size_t smem = size_t(kernels::mma_x_bytes(top_k, inter));
     auto down = [&](auto kOnce) {
-      const auto kernel = kernels::moe_down_int4_mma_kernel<CPG.value, kOnce.value>;
-      allow_smem(kernel, smem);
-      launch_pdl_smem(kernel, grid, 32 * kernels::kMoeDownSlots, smem, d, routing.ids, routing.weights,
-                      routing.logits, n_experts, routing.normalize, act_h, out, top_k, inter, hidden, accumulate,
-                      routing.logit_replicas, routing.replica_stride);
+      auto go = [&](auto kFolded) {
+        const auto kernel = kernels::moe_down_int4_mma_kernel<CPG.value, kOnce.value, kFolded.value>;
+        allow_smem(kernel, smem);
+        launch_pdl_smem(kernel, grid, 32 * kernels::kMoeDownSlots, smem, d, routing.ids, routing.weights,
+                        routing.logits, n_experts, routing.normalize, act_h, out, top_k, inter, hidden, accumulate,
+                        routing.logit_replicas, routing.replica_stride, to_kernel(routing.acc, hidden, eps));
+      };
+      if constexpr (kOnce.value)
+        if (routing.acc.sums) return go(std::true_type{});
+      go(std::false_type{});
     };
     // One token: evict-first loads (kOnce). Two warps a slot (each half the tile's rows) measured
     // +0.8% with the older dequantisation and tied (H100) or lost 0.4% (H200) after fde289e's:

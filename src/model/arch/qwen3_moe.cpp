@@ -76,8 +76,12 @@ class Qwen3Moe final : public Model {
     trace("embed", x.data(), T, H);
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const LayerWeights& l = w_.layers[size_t(i)];
-      self_attention(step, i, l, rope_, x.data(), attention);
-      if (l.is_moe) {
+      // The o projection and the MoE block as one op where no tracer reads the residual between.
+      const bool fused_moe = l.is_moe && !tracing();
+      self_attention(step, i, l, rope_, x.data(), attention, fused_moe ? &l.post_attention_norm : nullptr);
+      if (fused_moe) {
+        // done by self_attention
+      } else if (l.is_moe) {
         be.rms_norm_moe_add(l.post_attention_norm, eps, l.moe, T, x.data());
       } else {
         const int64_t inter = l.mlp.gate.n;
