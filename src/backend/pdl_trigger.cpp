@@ -16,8 +16,9 @@ bool parse_pdl_trigger(std::string_view spec, uint32_t* bits, std::string* why_n
     for (int i = 0; i < kernels::kPdlSites; ++i)
       if (eq != std::string_view::npos && item.substr(0, eq) == kernels::kPdlSiteNames[i]) site = i;
     if (site < 0 || eq + 2 != item.size() || item[eq + 1] < '0' || item[eq + 1] > '3') {
-      *why_not = "NIBBLE_PDL_TRIGGER: '" + std::string(item) +
-                 "' is not site=place (sites qkv, o, router, up, down, attention; places 0-3)";
+      std::string sites;
+      for (int i = 0; i < kernels::kPdlSites; ++i) sites += std::string(i ? ", " : "") + kernels::kPdlSiteNames[i];
+      *why_not = "NIBBLE_PDL_TRIGGER: '" + std::string(item) + "' is not site=place (sites " + sites + "; places 0-3)";
       return false;
     }
     *bits |= uint32_t(item[eq + 1] - '0' + 1) << (3 * site);

@@ -1,7 +1,8 @@
 // NIBBLE_PDL_TRIGGER=site=place,... : where the CUDA decode kernels release their successors,
 // overriding each kernel's own place, for A/B runs (kernels/pdl.cuh, kernels/pdl_sites.h). Sites:
-// qkv, o, router, up, down, attention; places 0 at the wait, 1 after the block's input is staged,
-// 2 after its products, 3 at exit (a kernel without the place named releases at its exit).
+// qkv, o, router, up, down, attention, ofold (the o GEMV with the router folded in); places 0 at
+// the wait, 1 after the block's input is staged, 2 after its products, 3 at exit (a kernel without
+// the place named releases at its exit).
 #pragma once
 
 #include <cstdint>

@@ -381,9 +381,12 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   }
   // The successor is released once x is staged, so the row's L2 reads do not queue behind the
   // successor's weight loads. With the MoE kernels' places below, +6% a Qwen3 decode step at
-  // depth 0 (BENCHMARKS.md).
-  constexpr int kSite = kNorm ? kPdlQkv : kPdlO;
-  pdl_enter_at<kSite, kPdlAfterInput>();
+  // depth 0 (BENCHMARKS.md). With the router folded in, MoE gate/up is released only as the
+  // blocks exit: it has nothing to do before its wait, and its blocks resident beside these cost
+  // 2.1% at depth 0 (a tie at 8192 and 16384).
+  constexpr int kSite = kFold ? kPdlOFold : kNorm ? kPdlQkv : kPdlO;
+  constexpr PdlWhere kWhere = kFold ? kPdlAtExit : kPdlAfterInput;
+  pdl_enter_at<kSite, kWhere>();
   NIBBLE_TIMELINE_WAITED();
   TileStore<KS, NTB> store;  // the bias and the residual, fetched before the products
   store.load(bias, y, m, n, io.accumulate, int64_t(blockIdx.x) * NTB);
@@ -394,7 +397,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
   __syncthreads();
   NIBBLE_TIMELINE_MARK();
-  pdl_trigger_at<kSite, kPdlAfterInput>(kPdlAfterInput);
+  pdl_trigger_at<kSite, kWhere>(kPdlAfterInput);
   if (io.staged_out && blockIdx.x == 0) {  // the staged rows for a 4-bit router's gate/up (GemvIo)
     const int units = int(k / 8);
     for (int i = threadIdx.x; i < m * units; i += blockDim.x)
@@ -403,7 +406,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   }
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, k, m), acc);
-  pdl_trigger_at<kSite, kPdlAfterInput>(kPdlAfterProducts);
+  pdl_trigger_at<kSite, kWhere>(kPdlAfterProducts);
   __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
   const float4 d = mma_chains_sum(acc);
   if (2 * t < m) partial[nt][kw][2 * t][g] = d.x, partial[nt][kw][2 * t][g + 8] = d.z;

@@ -12,11 +12,12 @@ enum PdlSite : int {
   kPdlGateUp = 3,
   kPdlDown = 4,
   kPdlAttention = 5,
-  kPdlSites = 6,
+  kPdlOFold = 6,  // the o GEMV with the MoE router folded in (its successor is MoE gate/up)
+  kPdlSites = 7,
   kPdlNoSite = -1,
 };
 // The override's names, in PdlSite order.
-inline constexpr const char* kPdlSiteNames[kPdlSites] = {"qkv", "o", "router", "up", "down", "attention"};
+inline constexpr const char* kPdlSiteNames[kPdlSites] = {"qkv", "o", "router", "up", "down", "attention", "ofold"};
 
 enum PdlWhere : unsigned {
   kPdlAtWait = 0,         // as soon as the block passes its wait

@@ -18,6 +18,8 @@ TEST(PdlTriggerTest, ParsesSitesAndPlaces) {
   EXPECT_EQ(bits, place(kernels::kPdlQkv, 0) | place(kernels::kPdlO, 2) | place(kernels::kPdlAttention, 3));
   ASSERT_TRUE(parse_pdl_trigger("down=1", &bits, &why)) << why;
   EXPECT_EQ(bits, place(kernels::kPdlDown, 1));
+  ASSERT_TRUE(parse_pdl_trigger("ofold=1,o=0", &bits, &why)) << why;
+  EXPECT_EQ(bits, place(kernels::kPdlOFold, 1) | place(kernels::kPdlO, 0));
   // An override of place 0 differs from none: the kernel's default may be another place.
   EXPECT_NE(place(kernels::kPdlRouter, 0), 0u);
 }
@@ -28,7 +30,7 @@ TEST(PdlTriggerTest, RejectsMalformedSpecsByName) {
     std::string why;
     EXPECT_FALSE(parse_pdl_trigger(bad, &bits, &why)) << bad;
     EXPECT_NE(why.find("NIBBLE_PDL_TRIGGER"), std::string::npos) << bad;
-    EXPECT_NE(why.find("sites qkv, o, router, up, down, attention"), std::string::npos) << bad;
+    EXPECT_NE(why.find("sites qkv, o, router, up, down, attention, ofold"), std::string::npos) << bad;
   }
 }
 
