@@ -467,8 +467,9 @@ class CudaBackend final : public Backend {
   // One token through an INT4 o projection into an INT4 MoE block with a 16-bit router: the
   // router folded into the o GEMV (its blocks add their rows' shares of the logits and of the
   // norm's Σx², kernels/moe_route.cuh RouterAcc), so the router's launch and the boundary before
-  // it leave the layer's chain: Qwen3-30B-A3B INT4 tg128 +1.7% at depth 0, +1.5% at 8192 (H100,
-  // BENCHMARKS.md). NIBBLE_NO_ROUTER_FOLD=1: the two ops, for A/B runs.
+  // it leave the layer's chain: Qwen3-30B-A3B INT4 tg128 +3.4% at depth 0, +1.4% at 8192, with
+  // gate/up released at the o blocks' exit (H100, BENCHMARKS.md). NIBBLE_NO_ROUTER_FOLD=1: the two
+  // ops, for A/B runs.
   void linear_add_rms_norm_moe_add(const LinearWeight& o, const float* a, const WeightVector& norm, float eps,
                                    const MoeWeights& w, int64_t m, float* x) override {
     static const bool off = std::getenv("NIBBLE_NO_ROUTER_FOLD") != nullptr;
