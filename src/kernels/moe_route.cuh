@@ -170,8 +170,8 @@ __device__ __forceinline__ float route_softmax_sum(const float* __restrict__ l, 
 // arrive in, so the routing is as deterministic as a single kernel's. The RMS norm is linear in
 // the logits, so it applies to the sums: logit_e = sum_e · 2^-32 · rsqrt(Σh² · 2^-24 / H + eps).
 // Every o block adds to each of `replicas` copies, and expert block b reads copy b mod replicas
-// (one copy measured best: 4, 8 and 16 took -0.5, -1.9 and -2.6% tg128 in their extra atomics;
-// entries spread over more lines, -0.4 to -1.6%, BENCHMARKS.md). The readers' loads of the
+// (one copy measured best: 4, 8 and 16 took -0.5, -1.9 and -2.5% tg128 in their extra atomics;
+// entries spread over more lines, -1.1 to -1.6%, BENCHMARKS.md). The readers' loads of the
 // entries must all be in flight at once: a loop over copies per entry put them in series and
 // lost 3%.
 // The kernel after MoE down (the next q/k/v GEMV, GemvIo::clear) zeroes them for the next step:

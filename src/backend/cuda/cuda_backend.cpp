@@ -1089,7 +1089,7 @@ class CudaBackend final : public Backend {
     bool usable = false;
     int64_t group_shift = 0;
     Buffer gate, up, down;
-    // The folded router's sums and their readers' counter (cuda::RouterAcc), made on first use.
+    // The folded router's sums (cuda::RouterAcc), made on first use.
     Buffer fold_sums;
     int fold_replicas = 0;
     int64_t fold_stride = 0;
@@ -1105,7 +1105,7 @@ class CudaBackend final : public Backend {
     return n;
   }
   // The sums of w's folded router, zeroed once here (then after each use: router_clear_);
-  // null while capturing a graph before they exist (made with a synchronous memset).
+  // null while capturing a graph before they exist (their first zeroing is not to be recorded).
   const ExpertTables* router_fold_sums(const MoeWeights& w) {
     auto* tables = const_cast<ExpertTables*>(expert_tables(w));
     if (!tables) return nullptr;
