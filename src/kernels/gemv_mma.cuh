@@ -40,6 +40,7 @@
 #include "kernels/mma.cuh"
 #include "kernels/moe_route.cuh"
 #include "kernels/pdl.cuh"
+#include "kernels/router_fold.cuh"
 #include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
@@ -329,29 +330,6 @@ __device__ __forceinline__ const uint2* mma_x_units(const __half* xs, int64_t k,
   return g < m ? reinterpret_cast<const uint2*>(xs + g * mma_x_stride(k)) + t : nullptr;
 }
 
-// The MoE router folded into an o projection that adds into the residual (kFold, one token; see
-// moe_route.cuh RouterAcc): w [n_experts][n] 16-bit router rows (bf16, or f16), norm the MoE's
-// RMS-norm weights [n]. Each thread holds kFoldExpertsPerThread experts' weights for the block's
-// 16·NTB rows (loaded before the wait, as the router kernel loaded its rows), n_experts <=
-// kFoldExpertsPerThread · threads and n % (16 · NTB) == 0 (the launcher checks).
-// The block's rows of x · γ / 16 also go to xg, as f16 in the decode mma order: the gate/up
-// kernel's staged row, which it scales by 16 / rms once the sums give the rms (x · γ itself could
-// pass f16's range where a residual has very large entries; / 16 keeps 16x that headroom and
-// loses only the relative precision of entries below 2^-10 of the row's scale).
-struct RouterFold {
-  const uint16_t* w;
-  const float* norm;
-  __half* xg;
-  RouterAcc acc;
-  int64_t n_experts;
-  bool bf16;
-};
-constexpr int kFoldExpertsPerThread = 2;
-
-__device__ __forceinline__ float fold_weight(uint32_t bits16, bool bf16) {
-  return bf16 ? __uint_as_float(bits16 << 16) : __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
-}
-
 // y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b), m <= kGemvMaxM. A block has NTB 16-row tiles × KS warps
 // along K; warp (nt, kw) takes groups kw, kw + KS, ... of tile nt.
 template <int CPG, bool kNorm, int KS, int NTB, bool kFold = false>
@@ -365,20 +343,8 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   MmaTile<CPG, KS> tile;
   tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw);  // weights need no predecessor
   // The folded router's rows and norm weights for this block's outputs, before the wait too.
-  constexpr int kFoldVecs = kFold ? 2 * NTB : 1;  // 16-byte vectors of an expert's 16·NTB weights
-  uint4 fw[kFold ? kFoldExpertsPerThread : 1][kFoldVecs];
-  float gamma = 0.f;
-  if constexpr (kFold) {
-    const int64_t row0 = int64_t(blockIdx.x) * NTB * 16;
-#pragma unroll
-    for (int i = 0; i < kFoldExpertsPerThread; ++i) {
-      const int64_t e = threadIdx.x + i * int64_t(blockDim.x);
-#pragma unroll
-      for (int v = 0; v < kFoldVecs; ++v)
-        if (e < fold.n_experts) fw[i][v] = __ldcs(reinterpret_cast<const uint4*>(fold.w + e * n + row0) + v);
-    }
-    if (threadIdx.x < 16 * NTB) gamma = __ldg(fold.norm + row0 + threadIdx.x);
-  }
+  std::conditional_t<kFold, RouterFoldRows<NTB>, NoRouterFold> fold_rows;
+  if constexpr (kFold) fold_rows.load(fold, n, int64_t(blockIdx.x) * NTB * 16);
   // The successor is released once x is staged, so the row's L2 reads do not queue behind the
   // successor's weight loads. With the MoE kernels' places below, +6% a Qwen3 decode step at
   // depth 0 (BENCHMARKS.md). With the router folded in, MoE gate/up is released only as the
@@ -416,40 +382,16 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
     store.store(partial, y, m, n);
   } else {
     // The router's share of this block's rows (m = 1: thread j stores row j): γ·h for the
-    // logits, h² for the norm, then one fixed-point add per expert and one for Σh².
+    // logits, h² for the norm (router_fold.cuh).
     __shared__ float s_gh[16 * NTB], s_hh[16 * NTB];
     const int64_t row0 = int64_t(blockIdx.x) * NTB * 16;
     store.store(partial, y, m, n, [&](int r, int, float h) {
+      const float gamma = fold_rows.gamma;
       s_gh[r] = gamma * h, s_hh[r] = h * h;
       fold.xg[gemv_mma_x_half(row0 + r)] = __float2half_rn(gamma * h * (1.f / kRouterFoldRowInvScale));
     });
     __syncthreads();
-    unsigned long long* sums = fold.acc.sums;
-#pragma unroll
-    for (int i = 0; i < kFoldExpertsPerThread; ++i) {
-      const int64_t e = threadIdx.x + i * int64_t(blockDim.x);
-      if (e >= fold.n_experts) break;
-      float dot = 0.f;
-#pragma unroll
-      for (int v = 0; v < kFoldVecs; ++v) {
-        const uint32_t u[4] = {fw[i][v].x, fw[i][v].y, fw[i][v].z, fw[i][v].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          dot = fmaf(fold_weight(u[j] & 0xffffu, fold.bf16), s_gh[8 * v + 2 * j], dot);
-          dot = fmaf(fold_weight(u[j] >> 16, fold.bf16), s_gh[8 * v + 2 * j + 1], dot);
-        }
-      }
-      const unsigned long long v = router_acc_fixed(dot, kRouterAccLogitScale);
-      for (int r = 0; r < fold.acc.replicas; ++r) atomicAdd(sums + r * fold.acc.stride + e, v);
-    }
-    if (warp == 0) {
-      float ss = 0.f;
-      for (int r = lane; r < 16 * NTB; r += 32) ss += s_hh[r];
-      ss = warp_sum(ss);
-      const unsigned long long v = router_acc_fixed(ss, kRouterAccSquareScale);
-      if (lane == 0)
-        for (int r = 0; r < fold.acc.replicas; ++r) atomicAdd(sums + r * fold.acc.stride + fold.n_experts, v);
-    }
+    fold_rows.add(fold, s_gh, s_hh);
   }
 }
 

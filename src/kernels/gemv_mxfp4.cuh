@@ -30,12 +30,14 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/gemm_layout.h"
 #include "kernels/gemv.cuh"
 #include "kernels/mma.cuh"
 #include "kernels/mxfp4.cuh"
 #include "kernels/pdl.cuh"
+#include "kernels/router_fold.cuh"
 #include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
@@ -206,11 +208,13 @@ __device__ __forceinline__ const uint4* mxfp4_x_units(const __half* xs, int64_t 
 // 16 · NTB rows), the next tile's first batch loaded before the block sums the current one.
 // kBatch: groups a warp loads at once; when it covers all of a warp's groups (q/k/v's 23 over 4
 // warps: 6), every weight load is issued before the PDL wait and none waits on DRAM after it.
-template <bool kNorm, int KS, int NTB, bool kDouble, int kBatch = kDouble ? 2 : kMxfp4Batch>
+// kFold: one token through an o projection with the MoE router folded in (router_fold.cuh): a
+// grid of one block a tile.
+template <bool kNorm, int KS, int NTB, bool kDouble, int kBatch = kDouble ? 2 : kMxfp4Batch, bool kFold = false>
 __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weight w, const float* __restrict__ bias,
                                                                        const float* __restrict__ x,
                                                                        float* __restrict__ y, int m, int64_t n,
-                                                                       int64_t k, GemvIo io) {
+                                                                       int64_t k, GemvIo io, RouterFold fold) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int nt = warp / KS, kw = warp % KS;
   const int64_t tiles = (n + 15) / 16, stride = int64_t(gridDim.x) * NTB;
@@ -218,10 +222,15 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
   Mxfp4Tile<kDouble, kBatch> tile;
   int64_t base = int64_t(blockIdx.x) * NTB;
   if (base + nt < tiles) tile.start(w, (base + nt) * 16, n, k, kw, KS);  // weights need no predecessor
+  std::conditional_t<kFold, RouterFoldRows<NTB>, NoRouterFold> fold_rows;  // before the wait too
+  if constexpr (kFold) fold_rows.load(fold, n, base * 16);
   // The successor is released once x is staged, so the row's L2 reads do not queue behind its
-  // weight loads (+1.1% a gpt-oss-20b decode step, +2.1% at depth 16384; BENCHMARKS.md).
-  constexpr int kSite = kNorm ? kPdlQkv : kPdlO;
-  pdl_enter_at<kSite, kPdlAfterInput>();
+  // weight loads (+1.1% a gpt-oss-20b decode step, +2.1% at depth 16384; BENCHMARKS.md). With the
+  // router folded in, the routing launch is released as the blocks exit (measured best of the
+  // four places, as for Qwen3's fold).
+  constexpr int kSite = kFold ? kPdlOFold : kNorm ? kPdlQkv : kPdlO;
+  constexpr PdlWhere kWhere = kFold ? kPdlAtExit : kPdlAfterInput;
+  pdl_enter_at<kSite, kWhere>();
   NIBBLE_TIMELINE_WAITED();
   TileStore<KS, NTB> store;
   store.load(bias, y, m, n, io.accumulate, base);
@@ -230,17 +239,29 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
   mxfp4_stage_x_normed(xr, k, io.eps, xs);
   __syncthreads();
   NIBBLE_TIMELINE_MARK();
-  pdl_trigger_at<kSite, kPdlAfterInput>(kPdlAfterInput);
+  pdl_trigger_at<kSite, kWhere>(kPdlAfterInput);
   __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
   for (;;) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     if (base + nt < tiles) tile.finish(mxfp4_x_units(xs, k, m), acc);
-    pdl_trigger_at<kSite, kPdlAfterInput>(kPdlAfterProducts);
+    pdl_trigger_at<kSite, kWhere>(kPdlAfterProducts);
     const int64_t next = base + stride;
     if (next + nt < tiles) tile.start(w, (next + nt) * 16, n, k, kw, KS);
     if (2 * t < m) partial[nt][kw][2 * t][g] = acc[0], partial[nt][kw][2 * t][g + 8] = acc[2];
     if (2 * t + 1 < m) partial[nt][kw][2 * t + 1][g] = acc[1], partial[nt][kw][2 * t + 1][g + 8] = acc[3];
     __syncthreads();
+    if constexpr (kFold) {
+      // The router's share of this block's rows (m = 1: thread j stores row j).
+      __shared__ float s_gh[16 * NTB], s_hh[16 * NTB];
+      store.store(partial, y, m, n, [&](int r, int, float h) {
+        const float gamma = fold_rows.gamma;
+        s_gh[r] = gamma * h, s_hh[r] = h * h;
+        fold.xg[mxfp4_x_half(base * 16 + r)] = __float2half_rn(gamma * h * (1.f / kRouterFoldRowInvScale));
+      });
+      __syncthreads();
+      fold_rows.add(fold, s_gh, s_hh);
+      return;
+    }
     store.store(partial, y, m, n);
     if (next >= tiles) break;
     base = next;

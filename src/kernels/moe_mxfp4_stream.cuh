@@ -51,19 +51,28 @@ struct Mxfp4StreamRouting {
 // the wait; the routing after it (the router's logits come from the previous kernel). The
 // epilogue adds the biases and writes the clamped SwiGLU of the tile's 8 (gate, up) pairs to act
 // as f16 in the down projection's staged order.
-template <int W, int kMinBlocks = 1, int kRoutePerLane = 0>
+// kFoldedX: one token routed from the sums of a router folded into the o GEMV (router_fold.cuh):
+// its row comes staged, xg (f16, x · γ / 16, written two launches back, so copied before the
+// wait), and the products are scaled by *x_scale (16 / rms), written by the routing launch.
+template <int W, int kMinBlocks = 1, int kRoutePerLane = 0, bool kFoldedX = false>
 __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_stream_kernel(
     const Mxfp4Device* __restrict__ gate_up, const int32_t* __restrict__ g_ids, const float* __restrict__ logits,
-    int64_t n_experts, const float* __restrict__ x, __half* __restrict__ act, int64_t slots, int64_t top_k,
-    int64_t inter, int64_t hidden, float alpha, float limit, int stages) {
+    int64_t n_experts, const float* __restrict__ x, const __half* __restrict__ xg, const float* __restrict__ x_scale,
+    __half* __restrict__ act, int64_t slots, int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit,
+    int stages) {
   NIBBLE_TIMELINE_BLOCK(kMoeGateUp);
   const int64_t tiles = 2 * inter / 16;
   __half* xs = reinterpret_cast<__half*>(dynamic_smem() + mxfp4_stream_extra_offset(hidden, stages, W));
-  mxfp4_stage_x(XRows<kGemvMaxM, false>{x, hidden, int(slots / top_k), nullptr, {}}, hidden, xs);
+  if constexpr (!kFoldedX)
+    mxfp4_stage_x(XRows<kGemvMaxM, false>{x, hidden, int(slots / top_k), nullptr, {}}, hidden, xs);
+  else
+    copy_staged_rows(xg, 1, hidden, mxfp4_x_stride(hidden), xs);
   NIBBLE_TIMELINE_MARK();
   __shared__ Mxfp4StreamRouting<kRoutePerLane> routing;
   pdl_wait();
   routing.load(g_ids, nullptr, logits, n_experts, false, slots / top_k, top_k);
+  float factor = 1.f;
+  if constexpr (kFoldedX) factor = *x_scale;
   const int32_t* ids = routing.ids;
   mxfp4_stream<W, false, false, kPdlGateUp>(
       slots * tiles, 1, hidden, stages,
@@ -74,7 +83,7 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
       [&](int64_t it, int) {
         const int64_t tok = it / tiles / top_k;
         return Mxfp4StreamInput{reinterpret_cast<const uint4*>(xs + tok * mxfp4_x_stride(hidden)) + threadIdx.x % 4,
-                                1.f};
+                                factor};
       },
       [&](int64_t it, const float(&partial)[W][16]) {
         const int jj = threadIdx.x % 32;

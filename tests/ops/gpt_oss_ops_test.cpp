@@ -12,7 +12,12 @@
 #include <optional>
 
 #include "backend/backend.h"
+#include "core/dtype.h"
 #include "gpu_compare.h"
+
+#if defined(NIBBLE_HAVE_CUDA)
+#include "backend/cuda/launch.h"
+#endif
 
 namespace nibble {
 namespace {
@@ -42,6 +47,50 @@ class GptOssOpsTest : public GpuCompareTest {
       w.storage.push_back(b.storage);
     }
     return w;
+  }
+
+  // gpt-oss's MoE block (top 4 renormalised, the clamped SwiGLU) with random MXFP4 experts whose
+  // gate/up rows interleave, biases everywhere, and a biased router stored as router_format
+  // (F32, BF16 or F16); dev is host uploaded.
+  void random_gpt_oss_moe(int64_t H, int64_t inter, int64_t E, WeightFormat router_format, int scale_lo,
+                          int scale_hi, MoeWeights& host, MoeWeights& dev) {
+    for (MoeWeights* w : {&host, &dev}) {
+      w->top_k = 4;
+      w->normalize = true;
+      w->activation = MoeActivation::kClampedSwiglu;
+      w->swiglu_alpha = 1.702f;
+      w->swiglu_limit = 7.f;
+    }
+    auto values = random(E * H, 0.2f);
+    WeightVector bias = host_vector(random(E, 1.f));
+    host.router.name = "router";
+    host.router.n = E;
+    host.router.k = H;
+    host.router.format = router_format;
+    host.router.bias = bias.data;
+    host.router.storage = {bias.storage};
+    if (router_format == WeightFormat::kF32) {
+      auto full = std::make_shared<std::vector<float>>(values);
+      host.router.dense = full->data();
+      host.router.storage.push_back(full);
+    } else {
+      auto half = std::make_shared<std::vector<uint16_t>>(values.size());
+      for (size_t i = 0; i < values.size(); ++i)
+        (*half)[i] = router_format == WeightFormat::kF16 ? f32_to_f16(values[i]) : f32_to_bf16(values[i]);
+      host.router.dense = half->data();
+      host.router.storage.push_back(half);
+    }
+    dev.router = gpu_->upload(host.router);
+    for (int64_t e = 0; e < E; ++e) {
+      MlpWeights ex;
+      ex.gate_up = random_mxfp4(2 * inter, H, true, scale_lo, scale_hi);
+      ex.down = random_mxfp4(H, inter, true, scale_lo, scale_hi);
+      MlpWeights d;
+      d.gate_up = gpu_->upload(ex.gate_up);
+      d.down = gpu_->upload(ex.down);
+      host.experts.push_back(std::move(ex));
+      dev.experts.push_back(std::move(d));
+    }
   }
 };
 
@@ -192,35 +241,7 @@ TEST_F(GptOssOpsTest, MoeBlock) {
         Case{160, 96, 8, 300, 104, 128, 1.f}, Case{160, 96, 8, 300, 96, 128, 1.f}, Case{256, 128, 32, 33},
         Case{2880, 2880, 6, 1}, Case{2880, 2880, 6, 3}, Case{2880, 2880, 6, 50}}) {
     MoeWeights host, dev;
-    for (MoeWeights* w : {&host, &dev}) {
-      w->top_k = 4;
-      w->normalize = true;
-      w->activation = MoeActivation::kClampedSwiglu;
-      w->swiglu_alpha = 1.702f;
-      w->swiglu_limit = 7.f;
-    }
-    {
-      auto values = std::make_shared<std::vector<float>>(random(E * H, 0.2f));
-      WeightVector bias = host_vector(random(E, 1.f));
-      host.router.name = "router";
-      host.router.n = E;
-      host.router.k = H;
-      host.router.format = WeightFormat::kF32;
-      host.router.dense = values->data();
-      host.router.bias = bias.data;
-      host.router.storage = {values, bias.storage};
-    }
-    dev.router = gpu_->upload(host.router);
-    for (int64_t e = 0; e < E; ++e) {
-      MlpWeights ex;
-      ex.gate_up = random_mxfp4(2 * inter, H, true, scale_lo, scale_hi);
-      ex.down = random_mxfp4(H, inter, true, scale_lo, scale_hi);
-      MlpWeights d;
-      d.gate_up = gpu_->upload(ex.gate_up);
-      d.down = gpu_->upload(ex.down);
-      host.experts.push_back(std::move(ex));
-      dev.experts.push_back(std::move(d));
-    }
+    random_gpt_oss_moe(H, inter, E, WeightFormat::kF32, scale_lo, scale_hi, host, dev);
     // Inputs large enough that gate and up pass the ±7 clamp for some elements.
     auto x = random(m * H, x_size);
     std::vector<float> want(size_t(m * H));
@@ -247,6 +268,52 @@ TEST_F(GptOssOpsTest, MoeBlock) {
                  2 * kF16Tolerance);
     release_buffers();
   }
+}
+
+// The decode step's o projection and MoE block as one op (Backend::linear_add_rms_norm_moe_add)
+// where o is MXFP4 (gpt-oss all-MXFP4): on the GPU the router is folded into the o GEMV, whose last
+// block routes (kernels/router_fold.cuh). gpt-oss-20b's shapes (o 4096 -> 2880, 32 experts, a BF16
+// router) and 120b's expert count (128, here an F16 router, small experts); m = 2 and an F32
+// router take the separate ops. Three calls in a row: the last block zeroes the sums and the
+// ticket for the next (a stale sum would route the next call wrongly). Tolerance as the MoE block's
+// decode form above: the o GEMV's f16 inputs add one more rounding of the same size, and the
+// compared part is what was added to the residual.
+TEST_F(GptOssOpsTest, RouterFoldedIntoMxfp4O) {
+  struct Case {
+    int64_t H, o_k, inter, E;
+    WeightFormat router_format;
+    bool folds;
+  };
+  for (const Case& c : {Case{2880, 4096, 2880, 32, WeightFormat::kBF16, true},
+                        Case{2880, 4096, 256, 128, WeightFormat::kF16, true},
+                        Case{1024, 2048, 512, 16, WeightFormat::kF32, false}})
+    for (int64_t m : {1, 2}) {
+      MoeWeights host, dev;
+      random_gpt_oss_moe(c.H, c.inter, c.E, c.router_format, 118, 122, host, dev);
+      const LinearWeight o_host = random_mxfp4(c.H, c.o_k, true);
+      const LinearWeight o_dev = gpu_->upload(o_host);
+      const WeightVector norm_host = host_vector(random(c.H, 1.f));
+      const WeightVector norm_dev = gpu_->upload(norm_host);
+      const std::string what = fmt::format("o {}->{}, {} experts of {}, {} router, m={}", c.o_k, c.H, c.E, c.inter,
+                                           weight_format_name(c.router_format), m);
+      for (int call = 0; call < 3; ++call) {
+        const auto x = random(m * c.H, 4.f), a = random(m * c.o_k, 2.f);
+        std::vector<float> want = x;
+        cpu_->linear_add_rms_norm_moe_add(o_host, a.data(), norm_host, 1e-5f, host, m, want.data());
+        float* res = on_gpu(x);
+#if defined(NIBBLE_HAVE_CUDA)
+        const int64_t folds_before = cuda::router_fold_launches();
+#endif
+        gpu_->linear_add_rms_norm_moe_add(o_dev, on_gpu(a), norm_dev, 1e-5f, dev, m, res);
+        std::vector<float> got = to_host(res, m * c.H);
+        for (size_t i = 0; i < x.size(); ++i) got[i] -= x[i], want[i] -= x[i];
+        expect_close(got, want, fmt::format("{}, call {}", what, call), 2 * kF16Tolerance);
+#if defined(NIBBLE_HAVE_CUDA)
+        EXPECT_EQ(cuda::router_fold_launches() - folds_before, c.folds && m == 1 ? 1 : 0) << what;
+#endif
+      }
+      release_buffers();
+    }
 }
 
 }  // namespace

@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
     const unsigned blocks = unsigned(std::min<int64_t>(((n + 15) / 16 + ntb - 1) / ntb, int64_t(per_sm) * sms));
     char label[96];
     std::snprintf(label, sizeof label, "%s (%u blocks, %d/SM)", name, blocks, per_sm);
-    time(label, [&](const Mxfp4Weight& wt) { kernel<<<blocks, 32 * ks * ntb, smem>>>(wt, nullptr, x, y, m, n, k, io); });
+    time(label, [&](const Mxfp4Weight& wt) { kernel<<<blocks, 32 * ks * ntb, smem>>>(wt, nullptr, x, y, m, n, k, io, RouterFold{}); });
   };
   auto variants = [&](auto kNorm) {
     constexpr bool N = decltype(kNorm)::value;

@@ -473,6 +473,7 @@ class CudaBackend final : public Backend {
   void linear_add_rms_norm_moe_add(const LinearWeight& o, const float* a, const WeightVector& norm, float eps,
                                    const MoeWeights& w, int64_t m, float* x) override {
     static const bool off = std::getenv("NIBBLE_NO_ROUTER_FOLD") != nullptr;
+    if (!off && m == 1 && o.format == WeightFormat::kMxfp4 && mxfp4_fold(o, a, norm, eps, w, x)) return;
     const ExpertTables* tables = nullptr;
     if (!off && m == 1 && o.format == WeightFormat::kInt4 && o.int4.layout == Int4Layout::kWarpInterleaved &&
         o.n == w.router.k && (w.router.format == WeightFormat::kBF16 || w.router.format == WeightFormat::kF16) &&
@@ -491,6 +492,49 @@ class CudaBackend final : public Backend {
       }
     }
     Backend::linear_add_rms_norm_moe_add(o, a, norm, eps, w, m, x);
+  }
+
+  // gpt-oss with an MXFP4 o projection (all-MXFP4 decode): the router folded into the o GEMV, a
+  // one-block routing launch from its sums (kernels/router_fold.cuh), then the two streamed expert
+  // launches: the router's launch leaves the layer's chain (gpt-oss-20b all-MXFP4 tg128 +0.5-0.9%,
+  // 120b +0.7%, H100, BENCHMARKS.md). False, having launched nothing, where the shapes do not fit.
+  bool mxfp4_fold(const LinearWeight& o, const float* a, const WeightVector& norm, float eps, const MoeWeights& w,
+                  float* x) {
+    const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
+    if (!gemv_layout(o) || o.n != H || !w.router.dense ||
+        (w.router.format != WeightFormat::kBF16 && w.router.format != WeightFormat::kF16) ||
+        K > cuda::kMoeDecodeMaxTopK)
+      return false;
+    auto* tables = const_cast<Mxfp4Tables*>(mxfp4_tables(w));
+    if (!tables || !cuda::moe_mxfp4_streamed(tables->aligned, 1, tables->inter, H)) return false;
+    if (!tables->fold_state.data()) {  // the sums, zeroed once (then by each routing)
+      if (capturing_) {
+        capture_failed_ = true;
+        return false;
+      }
+      Buffer state(*this, size_t(E + 1) * 8);
+      CUDA_CHECK(cudaMemsetAsync(state.data(), 0, state.bytes(), cudaStreamPerThread));
+      tables->fold_state = std::move(state);
+    }
+    OpProfiler::Scope scope(profiler_, "linear+add+moe");
+    Buffer xg(*this, size_t(H) * 2), ids(*this, size_t(K) * 4), weights(*this, size_t(K) * 4), scale(*this, 4);
+    cuda::FoldedRouting routing;
+    routing.sums = tables->fold_state.data<unsigned long long>();
+    routing.bias = w.router.bias, routing.top_k = K, routing.normalize = w.normalize;
+    routing.ids = ids.data<int32_t>(), routing.weights = weights.data(), routing.scale = scale.data();
+    if (!cuda::gemv_mxfp4_router_fold(o.mxfp4.codes, o.mxfp4.scales, o.bias, a, x, o.n, o.k, w.router.dense,
+                                      w.router.format == WeightFormat::kBF16, norm.data, eps, E, routing, xg.data()))
+      return false;
+    CUDA_CHECK_LAUNCH("gemv_mxfp4_router_fold");
+    Buffer act(*this, size_t(K * tables->inter) * 2);
+    cuda::MoeRouting experts;
+    experts.ids = ids.data<int32_t>(), experts.weights = weights.data();
+    experts.xn = xg.data(), experts.x_scale = scale.data();
+    cuda::moe_decode_mxfp4(tables->gate_up.data<cuda::Mxfp4Device>(), tables->down.data<cuda::Mxfp4Device>(), E,
+                           experts, nullptr, act.data(), x, true, 1, K, tables->inter, H, w.swiglu_alpha,
+                           w.swiglu_limit, tables->aligned);
+    CUDA_CHECK_LAUNCH("moe_decode_mxfp4");
+    return true;
   }
 
   // The folded router's sums wait to be zeroed for their next use: by the next INT4 decode GEMV
@@ -1001,6 +1045,7 @@ class CudaBackend final : public Backend {
     bool aligned = true;       // every matrix's codes and scales 16-byte aligned (streamed decode)
     int64_t inter = 0;
     Buffer gate_up, down;
+    Buffer fold_state;  // the folded router's sums (mxfp4_fold), made on first use
   };
   const Mxfp4Tables* mxfp4_tables(const MoeWeights& w) {
     if (plain_moe(w) || w.activation != MoeActivation::kClampedSwiglu) return nullptr;

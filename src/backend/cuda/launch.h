@@ -84,7 +84,8 @@ struct RouterAcc {
 bool gemv_int4_router_fold(const Int4Device& w, const float* bias, const float* x, float* y, int64_t n, int64_t k,
                            const void* router, bool bf16, const float* norm, int64_t n_experts, const RouterAcc& acc,
                            void* xg);
-// How many folded o GEMVs gemv_int4_router_fold has launched (the op test checks the fold ran).
+// How many folded o GEMVs gemv_int4_router_fold and gemv_mxfp4_router_fold have launched (the op
+// tests check the fold ran).
 int64_t router_fold_launches();
 void gemv_dense(Dense type, const void* w, const float* bias, const float* x, float* y, int64_t m,
                 int64_t n, int64_t k, const GemvIo& io = {});
@@ -127,6 +128,10 @@ struct MoeRouting {
   int64_t replica_stride = 0;
   // Or the sums of a router folded into the o projection (gemv_int4_router_fold): one token.
   RouterAcc acc;
+  // Or ids and weights routed from the sums of a router folded into an MXFP4 o GEMV
+  // (gemv_mxfp4_router_fold): one token, its row staged in xn (written two launches back), whose
+  // factor is *x_scale; the streamed kernels only (moe_mxfp4_streamed).
+  const float* x_scale = nullptr;
 };
 // MoE decode for m <= kGemvMaxM tokens with device-side routing: the tables hold each expert's
 // gate/up/down matrix (device arrays of Int4Device, n_experts long), all with the same
@@ -159,6 +164,25 @@ void mxfp4_dequant_bf16(const uint8_t* codes, const uint8_t* scales, void* out, 
 // Decode GEMV of a decode-layout MXFP4 matrix (m <= kGemvMaxM).
 void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y, int64_t m,
                 int64_t n, int64_t k, const GemvIo& io = {});
+// What the routing launch after a folded MXFP4 o GEMV routes with and writes
+// (kernels/router_fold.cuh): sums, n_experts + 1 fixed-point words, zero between uses (the
+// routing zeroes them); ids and weights [top_k], scale (16 / rms: xg's factor, MoeRouting::x_scale).
+struct FoldedRouting {
+  unsigned long long* sums = nullptr;
+  const float* bias = nullptr;  // the router's, or null
+  int64_t top_k = 0;
+  bool normalize = false;
+  int32_t* ids = nullptr;
+  float* weights = nullptr;
+  float* scale = nullptr;
+};
+// y[1, n] += x · Wᵀ (+ b) for one token (a decode-layout MXFP4 o projection) with the 16-bit router
+// [n_experts, n] folded in, as gemv_int4_router_fold, then the routing launch (FoldedRouting):
+// gpt-oss's MXFP4 experts then read ids, weights and xg (y · norm / 16, f16 in their staged order)
+// scaled by `scale`. False, having launched nothing, where the shapes do not fit it.
+bool gemv_mxfp4_router_fold(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,
+                            int64_t n, int64_t k, const void* router, bool bf16, const float* norm, float eps,
+                            int64_t n_experts, const FoldedRouting& routing, void* xg);
 // Decode attention in one launch over the paged cache: f16 KV on the tensor cores
 // (attention_decode_tc_kernel: head_dim 64/128, GQA groups up to 16), f32 KV on CUDA cores
 // (attention_decode_kernel: head_dim 64/128, groups up to 8); false (nothing launched) for other

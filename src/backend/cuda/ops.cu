@@ -729,15 +729,25 @@ static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kern
   constexpr int W = kMxfp4StreamWarps, threads = 32 * (W + 1);
   const int64_t sms = int64_t(sm_count());
   dispatch_route_per_lane(routing, n_experts, [&](auto kPerLane) {
-    {
+    auto gate_up = [&](auto kFoldedX) {
       const int64_t extra = kernels::mxfp4_x_bytes(m, hidden);
       const int stages = mxfp4_stream_stages(hidden, extra);
       const size_t smem = size_t(kernels::mxfp4_stream_smem(hidden, stages, W, extra));
-      const auto kernel = kernels::moe_mxfp4_gate_up_stream_kernel<W, kMxfp4StreamGateUpBlocks, kPerLane.value>;
+      const auto kernel =
+          kernels::moe_mxfp4_gate_up_stream_kernel<W, kMxfp4StreamGateUpBlocks, kPerLane.value, kFoldedX.value>;
       allow_smem(kernel, smem);
       const int64_t items = m * top_k * (2 * inter / 16), resident = resident_blocks(kernel, threads, smem) * sms;
       launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, gu, routing.ids, routing.logits,
-                      n_experts, x, act, m * top_k, top_k, inter, hidden, alpha, limit, stages);
+                      n_experts, x, static_cast<const __half*>(routing.xn), routing.x_scale, act, m * top_k, top_k,
+                      inter, hidden, alpha, limit, stages);
+    };
+    if constexpr (kPerLane.value == 0) {
+      if (routing.x_scale)  // routed and staged by a folded o GEMV (gemv_mxfp4_router_fold)
+        gate_up(std::true_type{});
+      else
+        gate_up(std::false_type{});
+    } else {
+      gate_up(std::false_type{});
     }
     {
       const int stages = mxfp4_stream_stages(inter, 0);
@@ -865,10 +875,48 @@ void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, 
         // At most one wave: the blocks stride over the rest of the tiles (an lm_head).
         const int64_t resident = int64_t(resident_blocks(kernel, threads, smem)) * int64_t(sm_count());
         launch_pdl_smem(kernel, unsigned(std::min<int64_t>(blocks_for((n + 15) / 16, NTB.value), resident)), threads,
-                        smem, w, bias, x, y, int(m), n, k, to_kernel(io));
+                        smem, w, bias, x, y, int(m), n, k, to_kernel(io), kernels::RouterFold{});
       });
     });
   });
+}
+
+bool gemv_mxfp4_router_fold(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,
+                            int64_t n, int64_t k, const void* router, bool bf16, const float* norm, float eps,
+                            int64_t n_experts, const FoldedRouting& routing, void* xg) {
+  if (gemv_mxfp4_stream_stages(codes, scales, 1, n, k, {nullptr, 0.f, true}) > 0 || n % 16 != 0 ||
+      routing.top_k > 32)
+    return false;
+  const size_t smem = size_t(kernels::mxfp4_x_bytes(1, k));
+  bool launched = false;
+  dispatch_mxfp4_split(k, n, [&](auto KS, auto NTB, auto B) {
+    // The shapes gemv_mxfp4 gives one token with one tile a block and one wave (o projections).
+    if constexpr (NTB.value == 1) {
+      const auto kernel = kernels::gemv_mxfp4_mma_kernel<false, KS.value, 1, false, B.value, true>;
+      const int threads = 32 * KS.value;
+      const int64_t tiles = n / 16;
+      if (n_experts > kernels::kFoldExpertsPerThread * threads ||
+          n_experts > int64_t(kernels::kMoeMaxExpertsPerLane) * 32 || tiles >= kMxfp4StrideTiles)
+        return;
+      allow_smem(kernel, smem);
+      if (tiles > int64_t(resident_blocks(kernel, threads, smem)) * int64_t(sm_count())) return;
+      const kernels::RouterFold fold{
+          static_cast<const uint16_t*>(router),
+          norm,
+          static_cast<__half*>(xg),
+          kernels::RouterAcc{routing.sums, 1, n_experts + 1, n, eps},
+          n_experts,
+          bf16,
+          kernels::RouterFoldRoute{routing.bias, routing.ids, routing.weights, routing.scale,
+                                   int(routing.top_k), routing.normalize}};
+      launch_pdl_smem(kernel, unsigned(tiles), threads, smem, kernels::Mxfp4Weight{codes, scales}, bias, x, y, 1, n,
+                      k, kernels::GemvIo{nullptr, 0.f, true}, fold);
+      launch_pdl(kernels::moe_route_folded_kernel, 1u, 128, fold);
+      launched = true;
+      g_router_fold_launches.fetch_add(1, std::memory_order_relaxed);
+    }
+  });
+  return launched;
 }
 
 int64_t argmax_scratch_bytes(int64_t rows) { return rows * kernels::kArgmaxSplits * 8; }

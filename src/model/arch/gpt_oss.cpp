@@ -75,8 +75,11 @@ class GptOss final : public Model {
     trace("embed", x.data(), T, H);
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const LayerWeights& l = w_.layers[size_t(i)];
-      self_attention(step, i, l, rope_, x.data(), attention);  // no q/k norms: l has none
-      backend_.rms_norm_moe_add(l.post_attention_norm, eps, l.moe, T, x.data());
+      // No q/k norms (l has none). The o projection and the MoE block as one op where no tracer
+      // reads the residual between (a backend may fold the router into o).
+      const bool fused_moe = !tracing();
+      self_attention(step, i, l, rope_, x.data(), attention, fused_moe ? &l.post_attention_norm : nullptr);
+      if (!fused_moe) backend_.rms_norm_moe_add(l.post_attention_norm, eps, l.moe, T, x.data());
       trace("layers." + std::to_string(i) + ".out", x.data(), T, H);
     }
     const int64_t rows = project_logits(step, x.data(), w_.final_norm, eps, w_.lm_head);
