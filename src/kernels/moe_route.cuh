@@ -175,7 +175,8 @@ __device__ __forceinline__ float route_softmax_sum(const float* __restrict__ l, 
 // entries must all be in flight at once: a loop over copies per entry put them in series and
 // lost 3%.
 // The kernel after MoE down (the next q/k/v GEMV, GemvIo::clear) zeroes them for the next step:
-// by its wait both readers, gate/up and down, are done.
+// by its wait both readers, gate/up and down, are done. (gpt-oss's MXFP4 fold has one reader, its
+// routing launch, which zeroes them itself: router_fold.cuh.)
 struct RouterAcc {
   unsigned long long* sums;  // [replicas][stride]
   int replicas;
