@@ -496,8 +496,8 @@ class CudaBackend final : public Backend {
 
   // gpt-oss with an MXFP4 o projection (all-MXFP4 decode): the router folded into the o GEMV, a
   // one-block routing launch from its sums (kernels/router_fold.cuh), then the two streamed expert
-  // launches: the router's launch leaves the layer's chain (gpt-oss-20b all-MXFP4 tg128 +0.5-0.9%,
-  // 120b +0.7%, H100, BENCHMARKS.md). False, having launched nothing, where the shapes do not fit.
+  // launches: the router's launch leaves the layer's chain (gpt-oss-20b all-MXFP4 tg128 +1.2%, 120b
+  // +1.9% at depth 0, H100, BENCHMARKS.md). False, having launched nothing, where the shapes do not fit.
   bool mxfp4_fold(const LinearWeight& o, const float* a, const WeightVector& norm, float eps, const MoeWeights& w,
                   float* x) {
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
