@@ -233,7 +233,7 @@ struct GemvIo {
   bool accumulate;
   float* normed_out = nullptr;  // split-K kernel with the norm: block 0 also writes the normalised rows here
   void* staged_out = nullptr;   // INT4 mma kernel with the norm: block 0 also writes its staged rows here
-  unsigned long long* clear = nullptr;  // INT4 mma kernel: block 0 zeroes clear[0..clear_count) after its wait
+  unsigned long long* clear = nullptr;  // INT4 and MXFP4 mma kernels: block 0 zeroes clear[0..clear_count) after its wait
   int clear_count = 0;
 };
 

@@ -209,8 +209,10 @@ __device__ __forceinline__ const uint4* mxfp4_x_units(const __half* xs, int64_t 
 // kBatch: groups a warp loads at once; when it covers all of a warp's groups (q/k/v's 23 over 4
 // warps: 6), every weight load is issued before the PDL wait and none waits on DRAM after it.
 // kFold: one token through an o projection with the MoE router folded in (router_fold.cuh): a
-// grid of one block a tile.
-template <bool kNorm, int KS, int NTB, bool kDouble, int kBatch = kDouble ? 2 : kMxfp4Batch, bool kFold = false>
+// grid of one block a tile; kMxfp4FoldSelfRouted: its successor is MoE gate/up routing from the
+// sums (no routing launch), released at the wait (kernels/moe_mxfp4_stream.cuh).
+constexpr int kMxfp4FoldSelfRouted = 2;
+template <bool kNorm, int KS, int NTB, bool kDouble, int kBatch = kDouble ? 2 : kMxfp4Batch, int kFold = 0>
 __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weight w, const float* __restrict__ bias,
                                                                        const float* __restrict__ x,
                                                                        float* __restrict__ y, int m, int64_t n,
@@ -222,16 +224,22 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
   Mxfp4Tile<kDouble, kBatch> tile;
   int64_t base = int64_t(blockIdx.x) * NTB;
   if (base + nt < tiles) tile.start(w, (base + nt) * 16, n, k, kw, KS);  // weights need no predecessor
-  std::conditional_t<kFold, RouterFoldRows<NTB>, NoRouterFold> fold_rows;  // before the wait too
-  if constexpr (kFold) fold_rows.load(fold, n, base * 16);
+  std::conditional_t<kFold != 0, RouterFoldRows<NTB>, NoRouterFold> fold_rows;  // before the wait too
+  if constexpr (kFold != 0) fold_rows.load(fold, n, base * 16);
   // The successor is released once x is staged, so the row's L2 reads do not queue behind its
   // weight loads (+1.1% a gpt-oss-20b decode step, +2.1% at depth 16384; BENCHMARKS.md). With the
   // router folded in, the routing launch is released as the blocks exit (measured best of the
-  // four places, as for Qwen3's fold).
+  // four places, as for Qwen3's fold), and gate/up routing for itself after the products (its
+  // blocks' launch then overlaps o's tail: gpt-oss-20b +0.4-0.9% against the exit, +0.3% against
+  // the wait; 120b's routing launch lost 0.4-0.8% released earlier).
   constexpr int kSite = kFold ? kPdlOFold : kNorm ? kPdlQkv : kPdlO;
-  constexpr PdlWhere kWhere = kFold ? kPdlAtExit : kPdlAfterInput;
+  constexpr PdlWhere kWhere = kFold == kMxfp4FoldSelfRouted ? kPdlAfterProducts
+                              : kFold                       ? kPdlAtExit
+                                                            : kPdlAfterInput;
   pdl_enter_at<kSite, kWhere>();
   NIBBLE_TIMELINE_WAITED();
+  if (io.clear && blockIdx.x == 0)  // a folded router's sums, read by the kernels this one waited for
+    for (int i = threadIdx.x; i < io.clear_count; i += blockDim.x) io.clear[i] = 0;
   TileStore<KS, NTB> store;
   store.load(bias, y, m, n, io.accumulate, base);
   XRows<kGemvMaxM, kNorm> xr{x, k, m, io.norm, {}};
@@ -250,7 +258,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_mxfp4_mma_kernel(Mxfp4Weig
     if (2 * t < m) partial[nt][kw][2 * t][g] = acc[0], partial[nt][kw][2 * t][g + 8] = acc[2];
     if (2 * t + 1 < m) partial[nt][kw][2 * t + 1][g] = acc[1], partial[nt][kw][2 * t + 1][g + 8] = acc[3];
     __syncthreads();
-    if constexpr (kFold) {
+    if constexpr (kFold != 0) {
       // The router's share of this block's rows (m = 1: thread j stores row j).
       __shared__ float s_gh[16 * NTB], s_hh[16 * NTB];
       store.store(partial, y, m, n, [&](int r, int, float h) {

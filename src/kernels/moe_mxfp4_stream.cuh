@@ -21,12 +21,10 @@ namespace nibble::kernels {
 // with logits routed here, warp i taking token i (route_token with kPerLane experts a lane). The
 // caller synchronises (the runner's first barrier) before anything reads it. kPerLane is the
 // launcher's smallest fit for the model's experts (1 for gpt-oss-20b's 32), 0 when the ids come
-// from a routing launch, so that only the kernels that route carry route_token: with it compiled
-// in (16 experts a lane, 108 registers) the down kernel took 15.6 µs a call on the H100 even where
-// the ids came from a routing launch, and 10.6 without it (96 registers); routing for itself (1 a
-// lane, 102 registers) it took 15.7, which is why the routing launch is the default for these
-// kernels (backend/cuda/cuda_backend.cpp, BENCHMARKS.md). Both fit 2 blocks an SM by registers;
-// what the routing code costs inside the kernel was not found.
+// from a routing launch, so that only the kernels that route carry the routing code. With it the
+// down kernel once took 15.6 µs a call on the H100 against 10.6: at 102-108 registers a thread its
+// 9-warp blocks fit one an SM (a scheduler's quarter of the registers holds 4 such warps), where
+// 96 fit two; the launcher now bounds down for two blocks (backend/cuda/ops.cu).
 template <int kPerLane>
 struct Mxfp4StreamRouting {
   int32_t ids[kGemvMaxM * 8];
@@ -46,44 +44,97 @@ struct Mxfp4StreamRouting {
   }
 };
 
+// The experts' descriptors in shared memory (kExperts of them, 0: none), copied by one warp
+// before the PDL wait (weights: no predecessor wrote them), so that the first copy after the
+// routing follows the expert id without another L2 trip. The kernels that route from a folded
+// router's sums take it (kMxfp4FoldSums).
+template <int kExperts>
+struct Mxfp4ExpertTable {
+  Mxfp4Device e[kExperts > 0 ? kExperts : 1];
+
+  __device__ __forceinline__ void stage(const Mxfp4Device* __restrict__ experts, int64_t n_experts) {
+    if constexpr (kExperts > 0)
+      for (int64_t i = threadIdx.x % 32; i < n_experts; i += 32) e[i] = experts[i];
+  }
+};
+
 // Gate/up: items are (slot, 16-row tile of 2·inter), slot-major; x holds the m = slots / top_k
 // tokens' normed rows, written before the router (two launches back), so they are staged before
 // the wait; the routing after it (the router's logits come from the previous kernel). The
 // epilogue adds the biases and writes the clamped SwiGLU of the tile's 8 (gate, up) pairs to act
 // as f16 in the down projection's staged order.
-// kFoldedX: one token routed from the sums of a router folded into the o GEMV (router_fold.cuh):
-// its row comes staged, xg (f16, x · γ / 16, written two launches back, so copied before the
-// wait), and the products are scaled by *x_scale (16 / rms), written by the routing launch.
-template <int W, int kMinBlocks = 1, int kRoutePerLane = 0, bool kFoldedX = false>
+// One token through a router folded into the MXFP4 o GEMV (router_fold.cuh): its row comes
+// staged by o, xg (f16, x · γ / 16), the products scaled by 16 / rms.
+enum Mxfp4MoeFold : int {
+  kMxfp4NoFold = 0,
+  // A routing launch after o wrote ids, weights and x_scale (= 16 / rms): gate/up copies xg
+  // (written two launches back) before its wait.
+  kMxfp4FoldLaunch = 1,
+  // No routing launch: gate/up routes from the sums after its wait (o is its predecessor) and
+  // copies xg then; down routes from them before its wait (two launches back).
+  kMxfp4FoldSums = 2,
+};
+
+// kFold: Mxfp4MoeFold. With kMxfp4FoldSums, kRoutePerLane sizes the routing (experts a lane) and
+// racc / router_bias are the folded router's sums and bias.
+template <int W, int kMinBlocks = 1, int kRoutePerLane = 0, int kFold = kMxfp4NoFold>
 __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_stream_kernel(
     const Mxfp4Device* __restrict__ gate_up, const int32_t* __restrict__ g_ids, const float* __restrict__ logits,
     int64_t n_experts, const float* __restrict__ x, const __half* __restrict__ xg, const float* __restrict__ x_scale,
     __half* __restrict__ act, int64_t slots, int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit,
-    int stages) {
+    int stages, RouterAcc racc, const float* __restrict__ router_bias) {
   NIBBLE_TIMELINE_BLOCK(kMoeGateUp);
   const int64_t tiles = 2 * inter / 16;
   __half* xs = reinterpret_cast<__half*>(dynamic_smem() + mxfp4_stream_extra_offset(hidden, stages, W));
-  if constexpr (!kFoldedX)
+  if constexpr (kFold == kMxfp4NoFold)
     mxfp4_stage_x(XRows<kGemvMaxM, false>{x, hidden, int(slots / top_k), nullptr, {}}, hidden, xs);
-  else
+  else if constexpr (kFold == kMxfp4FoldLaunch)
     copy_staged_rows(xg, 1, hidden, mxfp4_x_stride(hidden), xs);
   NIBBLE_TIMELINE_MARK();
+  constexpr bool kSums = kFold == kMxfp4FoldSums;
   __shared__ Mxfp4StreamRouting<kRoutePerLane> routing;
+  __shared__ Mxfp4ExpertTable<kSums ? 32 * kRoutePerLane : 0> table;
+  __shared__ float s_factor;
+  const int warp = threadIdx.x / 32;
+  if (kSums && warp == W) table.stage(gate_up, n_experts);
   pdl_wait();
-  routing.load(g_ids, nullptr, logits, n_experts, false, slots / top_k, top_k);
   float factor = 1.f;
-  if constexpr (kFoldedX) factor = *x_scale;
+  if constexpr (kSums) {
+    // The producer warp routes (it issues the first copies once the block's barrier passes) while
+    // the consumers copy the row: the two L2 trips overlap. Only that warp reads the sums: every
+    // warp of ~400 blocks reading Σh² at once measured slower (BENCHMARKS.md).
+    if (warp == W) {
+      const float inv =
+          route_token_folded<kRoutePerLane>(racc, router_bias, n_experts, top_k, false, routing.ids, nullptr);
+      if (threadIdx.x % 32 == 0) s_factor = kRouterFoldRowInvScale * inv;
+    } else {
+      constexpr int kUnits = 2;  // 16-byte units a thread, loaded before any is stored
+      const int units = int(hidden / 8);
+      for (int u0 = threadIdx.x; u0 < units; u0 += kUnits * 32 * W) {
+        uint4 v[kUnits];
+#pragma unroll
+        for (int j = 0; j < kUnits; ++j)
+          if (u0 + j * 32 * W < units) v[j] = __ldcg(reinterpret_cast<const uint4*>(xg) + u0 + j * 32 * W);
+#pragma unroll
+        for (int j = 0; j < kUnits; ++j)
+          if (u0 + j * 32 * W < units) reinterpret_cast<uint4*>(xs)[u0 + j * 32 * W] = v[j];
+      }
+    }
+  } else {
+    routing.load(g_ids, nullptr, logits, n_experts, false, slots / top_k, top_k);
+    if constexpr (kFold == kMxfp4FoldLaunch) factor = *x_scale;
+  }
   const int32_t* ids = routing.ids;
   mxfp4_stream<W, false, false, kPdlGateUp>(
       slots * tiles, 1, hidden, stages,
       [&](int64_t it, int) {
-        const Mxfp4Device d = gate_up[ids[it / tiles]];
+        const Mxfp4Device d = kSums ? table.e[ids[it / tiles]] : gate_up[ids[it / tiles]];
         return Mxfp4StreamTile{{d.codes, d.scales}, it % tiles * 16};
       },
       [&](int64_t it, int) {
         const int64_t tok = it / tiles / top_k;
         return Mxfp4StreamInput{reinterpret_cast<const uint4*>(xs + tok * mxfp4_x_stride(hidden)) + threadIdx.x % 4,
-                                factor};
+                                kSums ? s_factor : factor};
       },
       [&](int64_t it, const float(&partial)[W][16]) {
         const int jj = threadIdx.x % 32;
@@ -102,22 +153,34 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
 // routing (or the router's logits, routed here) was written two launches back, so the first
 // stages load before the wait.
 // out = (accumulate ? out : 0) + Σ_slot weight · (down rows · act + bias).
-template <int W, int kMinBlocks = 1, int kRoutePerLane = 0>
+// kFoldedSums: one token routed from a folded router's sums (racc, router_bias; kRoutePerLane
+// experts a lane), before the wait as the ids would be: o wrote them two launches back.
+template <int W, int kMinBlocks = 1, int kRoutePerLane = 0, bool kFoldedSums = false>
 __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_down_stream_kernel(
     const Mxfp4Device* __restrict__ down, const int32_t* __restrict__ g_ids, const float* __restrict__ g_weights,
     const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
-    float* __restrict__ out, int64_t m, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate, int stages) {
+    float* __restrict__ out, int64_t m, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate, int stages,
+    RouterAcc racc, const float* __restrict__ router_bias) {
   NIBBLE_TIMELINE_BLOCK(kMoeDown);
   const int64_t tiles = hidden / 16;
   __shared__ Mxfp4StreamRouting<kRoutePerLane> routing;
-  routing.load(g_ids, g_weights, logits, n_experts, normalize, m, top_k);
+  __shared__ Mxfp4ExpertTable<kFoldedSums ? 32 * kRoutePerLane : 0> table;
+  if constexpr (kFoldedSums) {  // warp 0 routes while the producer copies the table
+    if (threadIdx.x < 32)
+      route_token_folded<kRoutePerLane>(racc, router_bias, n_experts, top_k, normalize, routing.ids, routing.weights);
+    else if (threadIdx.x / 32 == W)
+      table.stage(down, n_experts);
+  } else {
+    routing.load(g_ids, g_weights, logits, n_experts, normalize, m, top_k);
+  }
   NIBBLE_TIMELINE_MARK_AT(0);  // the routing in shared memory (this warp's part), before the first copies
   const int32_t* ids = routing.ids;
   const float* weights = routing.weights;
   mxfp4_stream<W, true, true, kPdlDown>(
       m * tiles, int(top_k), inter, stages,
       [&](int64_t it, int l) {
-        const Mxfp4Device d = down[ids[it / tiles * top_k + l]];
+        const int32_t e = ids[it / tiles * top_k + l];
+        const Mxfp4Device d = kFoldedSums ? table.e[e] : down[e];
         return Mxfp4StreamTile{{d.codes, d.scales}, it % tiles * 16};
       },
       [&](int64_t it, int l) {

@@ -51,13 +51,11 @@ __device__ __forceinline__ int32_t route_round(uint32_t (&key)[kMaxPerLane], int
   return best_e;
 }
 
-// Routes one token, by one warp: softmax over logits[n_experts], top_k arg-max rounds, ids and
-// weights [top_k] written by lanes 0..top_k-1. Logits are read through L2 (__ldcg): they were
-// written by another block or kernel; kShared: from shared memory.
-template <bool kShared = false, int kMaxPerLane = kMoeMaxExpertsPerLane>
-__device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t n_experts, int64_t top_k,
-                                            bool normalize, int32_t* __restrict__ ids,
-                                            float* __restrict__ weights) {
+// Routes one token, by one warp: softmax over its logits (logit_of(e), e < n_experts), top_k
+// arg-max rounds, ids and weights [top_k] written by lanes 0..top_k-1.
+template <int kMaxPerLane = kMoeMaxExpertsPerLane, typename Logit>
+__device__ __forceinline__ void route_token_by(Logit&& logit_of, int64_t n_experts, int64_t top_k, bool normalize,
+                                               int32_t* __restrict__ ids, float* __restrict__ weights) {
   const int lane = threadIdx.x % 32;
   // Only the first `per_lane` slots hold experts (4 for 128 experts): the unrolled loops stop
   // there, which keeps the 8 serial arg-max rounds short; v stays in registers.
@@ -68,17 +66,22 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
   for (int i = 0; i < kMaxPerLane; ++i) {
     if (i >= per_lane) break;
     const int64_t e = lane + 32 * i;
-    v[i] = e < n_experts ? (kShared ? l[e] : __ldcg(l + e)) : -INFINITY;
+    v[i] = e < n_experts ? logit_of(e) : -INFINITY;
     mx = fmaxf(mx, v[i]);
   }
-  for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
-  float sum = 0.f;
+  // Renormalised over the top k, the softmax's full sum cancels and its maximum is the first
+  // choice's logit: the two warp reductions are left out (they were on the routing's serial path).
+  float sum = 1.f;
+  if (!normalize) {
+    for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
+    sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < kMaxPerLane; ++i) {
-    if (i >= per_lane) break;
-    if (lane + 32 * i < n_experts) sum += expf(v[i] - mx);
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      if (i >= per_lane) break;
+      if (lane + 32 * i < n_experts) sum += expf(v[i] - mx);
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   }
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   uint32_t key[kMaxPerLane];
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) {
@@ -90,6 +93,7 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
   for (int64_t j = 0; j < top_k; ++j) {
     uint32_t best;
     const int32_t best_e = route_round(key, per_lane, &best);
+    if (normalize && j == 0) mx = route_logit(best);
     const float p = expf(route_logit(best) - mx) / sum;
     top_sum += p;
     if (lane == j) chosen = best_e, chosen_p = p;
@@ -98,6 +102,39 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
     ids[lane] = chosen;
     weights[lane] = chosen_p / (normalize ? top_sum : 1.f);
   }
+}
+
+// The top_k experts only (ids[j] the j-th choice, lanes < top_k), by one warp: route_token_by's
+// keys, rounds and tie rule without the softmax, for a kernel that needs no weights.
+template <int kMaxPerLane = kMoeMaxExpertsPerLane, typename Logit>
+__device__ __forceinline__ void route_ids_by(Logit&& logit_of, int64_t n_experts, int64_t top_k,
+                                             int32_t* __restrict__ ids) {
+  const int lane = threadIdx.x % 32;
+  const int per_lane = int((n_experts + 31) / 32);
+  uint32_t key[kMaxPerLane];
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) {
+    if (i >= per_lane) break;
+    const int64_t e = lane + 32 * i;
+    key[i] = e < n_experts ? route_key(logit_of(e)) : 0u;
+  }
+  int32_t chosen = -1;
+  for (int64_t j = 0; j < top_k; ++j) {
+    uint32_t best;
+    const int32_t best_e = route_round(key, per_lane, &best);
+    if (lane == j) chosen = best_e;
+  }
+  if (lane < top_k) ids[lane] = chosen;
+}
+
+// route_token_by from logits[n_experts], read through L2 (__ldcg): they were written by another
+// block or kernel; kShared: from shared memory.
+template <bool kShared = false, int kMaxPerLane = kMoeMaxExpertsPerLane>
+__device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t n_experts, int64_t top_k,
+                                            bool normalize, int32_t* __restrict__ ids,
+                                            float* __restrict__ weights) {
+  route_token_by<kMaxPerLane>([&](int64_t e) { return kShared ? l[e] : __ldcg(l + e); }, n_experts, top_k, normalize,
+                              ids, weights);
 }
 
 // The expert of a token's choice s (0-based, s < top_k), by one warp from its logits (through L2):
@@ -175,8 +212,8 @@ __device__ __forceinline__ float route_softmax_sum(const float* __restrict__ l, 
 // entries must all be in flight at once: a loop over copies per entry put them in series and
 // lost 3%.
 // The kernel after MoE down (the next q/k/v GEMV, GemvIo::clear) zeroes them for the next step:
-// by its wait both readers, gate/up and down, are done. (gpt-oss's MXFP4 fold has one reader, its
-// routing launch, which zeroes them itself: router_fold.cuh.)
+// by its wait both readers, gate/up and down, are done. (So for gpt-oss-20b's MXFP4 experts; with
+// a routing launch after o, that launch is the one reader and zeroes them itself: router_fold.cuh.)
 struct RouterAcc {
   unsigned long long* sums;  // [replicas][stride]
   int replicas;
@@ -210,6 +247,23 @@ __device__ __forceinline__ float router_acc_inv_rms(const RouterAcc& a, int64_t 
 
 __device__ __forceinline__ float router_acc_logit(const RouterAcc& a, int64_t e, float inv) {
   return router_acc_entry(a, e) * (1.f / kRouterAccLogitScale) * inv;
+}
+
+// A token routed by one warp from a folded router's complete sums, as route_token: the logits
+// with the router's bias (or null) added, the softmax top k into ids and weights (lanes < top_k).
+// gpt-oss's MXFP4 expert kernels route this way (kernels/moe_mxfp4_stream.cuh). Returns 1 / rms.
+// weights null: the ids only (route_ids_by).
+template <int kMaxPerLane>
+__device__ __forceinline__ float route_token_folded(const RouterAcc& a, const float* __restrict__ bias,
+                                                    int64_t n_experts, int64_t top_k, bool normalize,
+                                                    int32_t* __restrict__ ids, float* __restrict__ weights) {
+  const float inv = router_acc_inv_rms(a, n_experts);
+  auto logit_of = [&](int64_t e) { return router_acc_logit(a, e, inv) + (bias ? __ldg(bias + e) : 0.f); };
+  if (weights)
+    route_token_by<kMaxPerLane>(logit_of, n_experts, top_k, normalize, ids, weights);
+  else
+    route_ids_by<kMaxPerLane>(logit_of, n_experts, top_k, ids);
+  return inv;
 }
 
 }  // namespace nibble::kernels

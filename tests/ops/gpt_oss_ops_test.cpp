@@ -271,49 +271,61 @@ TEST_F(GptOssOpsTest, MoeBlock) {
 }
 
 // The decode step's o projection and MoE block as one op (Backend::linear_add_rms_norm_moe_add)
-// where o is MXFP4 (gpt-oss all-MXFP4): on the GPU the router is folded into the o GEMV, whose last
-// block routes (kernels/router_fold.cuh). gpt-oss-20b's shapes (o 4096 -> 2880, 32 experts, a BF16
-// router) and 120b's expert count (128, here an F16 router, small experts); m = 2 and an F32
-// router take the separate ops. Three calls in a row: the last block zeroes the sums and the
-// ticket for the next (a stale sum would route the next call wrongly). Tolerance as the MoE block's
-// decode form above: the o GEMV's f16 inputs add one more rounding of the same size, and the
-// compared part is what was added to the residual.
+// where o is MXFP4 (gpt-oss all-MXFP4): on the GPU the router is folded into the o GEMV
+// (kernels/router_fold.cuh), and the expert kernels route from its sums, or (the routing launch,
+// cuda::set_fold_route_launch) a one-block launch after o does. gpt-oss-20b's shapes (o 4096 ->
+// 2880, 32 experts, a BF16 router) and 120b's expert count (128, here an F16 router, small
+// experts); m = 2 and an F32 router take the separate ops. Three calls in a row, the sums zeroed
+// after each by the next MXFP4 GEMV (the first call's: a linear_add between calls) or before the
+// next fold (a stale sum would route the next call wrongly). Tolerance as the MoE block's decode
+// form above: the o GEMV's f16 inputs add one more rounding of the same size, and the compared part
+// is what was added to the residual.
 TEST_F(GptOssOpsTest, RouterFoldedIntoMxfp4O) {
   struct Case {
     int64_t H, o_k, inter, E;
     WeightFormat router_format;
     bool folds;
   };
-  for (const Case& c : {Case{2880, 4096, 2880, 32, WeightFormat::kBF16, true},
-                        Case{2880, 4096, 256, 128, WeightFormat::kF16, true},
-                        Case{1024, 2048, 512, 16, WeightFormat::kF32, false}})
-    for (int64_t m : {1, 2}) {
-      MoeWeights host, dev;
-      random_gpt_oss_moe(c.H, c.inter, c.E, c.router_format, 118, 122, host, dev);
-      const LinearWeight o_host = random_mxfp4(c.H, c.o_k, true);
-      const LinearWeight o_dev = gpu_->upload(o_host);
-      const WeightVector norm_host = host_vector(random(c.H, 1.f));
-      const WeightVector norm_dev = gpu_->upload(norm_host);
-      const std::string what = fmt::format("o {}->{}, {} experts of {}, {} router, m={}", c.o_k, c.H, c.E, c.inter,
-                                           weight_format_name(c.router_format), m);
-      for (int call = 0; call < 3; ++call) {
-        const auto x = random(m * c.H, 4.f), a = random(m * c.o_k, 2.f);
-        std::vector<float> want = x;
-        cpu_->linear_add_rms_norm_moe_add(o_host, a.data(), norm_host, 1e-5f, host, m, want.data());
-        float* res = on_gpu(x);
+  for (const bool route_launch : {false, true}) {
 #if defined(NIBBLE_HAVE_CUDA)
-        const int64_t folds_before = cuda::router_fold_launches();
+    cuda::set_fold_route_launch(route_launch ? 1 : 0);
 #endif
-        gpu_->linear_add_rms_norm_moe_add(o_dev, on_gpu(a), norm_dev, 1e-5f, dev, m, res);
-        std::vector<float> got = to_host(res, m * c.H);
-        for (size_t i = 0; i < x.size(); ++i) got[i] -= x[i], want[i] -= x[i];
-        expect_close(got, want, fmt::format("{}, call {}", what, call), 2 * kF16Tolerance);
+    for (const Case& c : {Case{2880, 4096, 2880, 32, WeightFormat::kBF16, true},
+                          Case{2880, 4096, 256, 128, WeightFormat::kF16, true},
+                          Case{1024, 2048, 512, 16, WeightFormat::kF32, false}})
+      for (int64_t m : {1, 2}) {
+        MoeWeights host, dev;
+        random_gpt_oss_moe(c.H, c.inter, c.E, c.router_format, 118, 122, host, dev);
+        const LinearWeight o_host = random_mxfp4(c.H, c.o_k, true);
+        const LinearWeight o_dev = gpu_->upload(o_host);
+        const WeightVector norm_host = host_vector(random(c.H, 1.f));
+        const WeightVector norm_dev = gpu_->upload(norm_host);
+        const std::string what =
+            fmt::format("o {}->{}, {} experts of {}, {} router, m={}{}", c.o_k, c.H, c.E, c.inter,
+                        weight_format_name(c.router_format), m, route_launch ? ", routing launch" : "");
+        for (int call = 0; call < 3; ++call) {
+          const auto x = random(m * c.H, 4.f), a = random(m * c.o_k, 2.f);
+          std::vector<float> want = x;
+          cpu_->linear_add_rms_norm_moe_add(o_host, a.data(), norm_host, 1e-5f, host, m, want.data());
+          float* res = on_gpu(x);
 #if defined(NIBBLE_HAVE_CUDA)
-        EXPECT_EQ(cuda::router_fold_launches() - folds_before, c.folds && m == 1 ? 1 : 0) << what;
+          const int64_t folds_before = cuda::router_fold_launches();
 #endif
+          gpu_->linear_add_rms_norm_moe_add(o_dev, on_gpu(a), norm_dev, 1e-5f, dev, m, res);
+          std::vector<float> got = to_host(res, m * c.H);
+          for (size_t i = 0; i < x.size(); ++i) got[i] -= x[i], want[i] -= x[i];
+          expect_close(got, want, fmt::format("{}, call {}", what, call), 2 * kF16Tolerance);
+#if defined(NIBBLE_HAVE_CUDA)
+          EXPECT_EQ(cuda::router_fold_launches() - folds_before, c.folds && m == 1 ? 1 : 0) << what;
+#endif
+          if (call == 0) gpu_->linear_add(o_dev, on_gpu(random(c.o_k)), 1, on_gpu(random(c.H)));
+        }
+        release_buffers();
       }
-      release_buffers();
-    }
+  }
+#if defined(NIBBLE_HAVE_CUDA)
+  cuda::set_fold_route_launch(-1);
+#endif
 }
 
 }  // namespace

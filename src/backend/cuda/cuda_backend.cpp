@@ -494,10 +494,13 @@ class CudaBackend final : public Backend {
     Backend::linear_add_rms_norm_moe_add(o, a, norm, eps, w, m, x);
   }
 
-  // gpt-oss with an MXFP4 o projection (all-MXFP4 decode): the router folded into the o GEMV, a
-  // one-block routing launch from its sums (kernels/router_fold.cuh), then the two streamed expert
-  // launches: the router's launch leaves the layer's chain (gpt-oss-20b all-MXFP4 tg128 +1.2%, 120b
-  // +1.9% at depth 0, H100, BENCHMARKS.md). False, having launched nothing, where the shapes do not fit.
+  // gpt-oss with an MXFP4 o projection (all-MXFP4 decode): the router folded into the o GEMV, then
+  // the two streamed expert launches, which route from its sums themselves (gate/up after its
+  // wait, down before its own); the next MXFP4 or INT4 GEMV zeroes the sums (router_clear_). The
+  // router's launch leaves the layer's chain (gpt-oss-20b all-MXFP4 tg128 +1.2%, 120b +1.9% at
+  // depth 0 with a one-block routing launch after o, H100, BENCHMARKS.md), and so does that
+  // routing launch (cuda::fold_route_launch(): it, for A/B runs). False, having launched
+  // nothing, where the shapes do not fit.
   bool mxfp4_fold(const LinearWeight& o, const float* a, const WeightVector& norm, float eps, const MoeWeights& w,
                   float* x) {
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k;
@@ -507,7 +510,7 @@ class CudaBackend final : public Backend {
       return false;
     auto* tables = const_cast<Mxfp4Tables*>(mxfp4_tables(w));
     if (!tables || !cuda::moe_mxfp4_streamed(tables->aligned, 1, tables->inter, H)) return false;
-    if (!tables->fold_state.data()) {  // the sums, zeroed once (then by each routing)
+    if (!tables->fold_state.data()) {  // the sums, zeroed once (then after each use)
       if (capturing_) {
         capture_failed_ = true;
         return false;
@@ -517,23 +520,32 @@ class CudaBackend final : public Backend {
       tables->fold_state = std::move(state);
     }
     OpProfiler::Scope scope(profiler_, "linear+add+moe");
+    flush_router_clear();  // an earlier fold's sums not yet cleared by a GEMV (these may be them)
+    const bool route_launch = cuda::fold_route_launch(E);
     Buffer xg(*this, size_t(H) * 2), ids(*this, size_t(K) * 4), weights(*this, size_t(K) * 4), scale(*this, 4);
     cuda::FoldedRouting routing;
     routing.sums = tables->fold_state.data<unsigned long long>();
     routing.bias = w.router.bias, routing.top_k = K, routing.normalize = w.normalize;
-    routing.ids = ids.data<int32_t>(), routing.weights = weights.data(), routing.scale = scale.data();
+    if (route_launch)
+      routing.ids = ids.data<int32_t>(), routing.weights = weights.data(), routing.scale = scale.data();
     if (!cuda::gemv_mxfp4_router_fold(o.mxfp4.codes, o.mxfp4.scales, o.bias, a, x, o.n, o.k, w.router.dense,
                                       w.router.format == WeightFormat::kBF16, norm.data, eps, E, routing, xg.data()))
       return false;
     CUDA_CHECK_LAUNCH("gemv_mxfp4_router_fold");
     Buffer act(*this, size_t(K * tables->inter) * 2);
     cuda::MoeRouting experts;
-    experts.ids = ids.data<int32_t>(), experts.weights = weights.data();
-    experts.xn = xg.data(), experts.x_scale = scale.data();
+    experts.xn = xg.data(), experts.normalize = w.normalize;
+    if (route_launch) {
+      experts.ids = ids.data<int32_t>(), experts.weights = weights.data(), experts.x_scale = scale.data();
+    } else {
+      experts.acc = cuda::RouterAcc{routing.sums, 1, E + 1};
+      experts.router_bias = w.router.bias, experts.eps = eps;
+    }
     cuda::moe_decode_mxfp4(tables->gate_up.data<cuda::Mxfp4Device>(), tables->down.data<cuda::Mxfp4Device>(), E,
                            experts, nullptr, act.data(), x, true, 1, K, tables->inter, H, w.swiglu_alpha,
                            w.swiglu_limit, tables->aligned);
     CUDA_CHECK_LAUNCH("moe_decode_mxfp4");
+    if (!route_launch) router_clear_ = routing.sums, router_clear_count_ = int(E + 1);
     return true;
   }
 
@@ -908,7 +920,7 @@ class CudaBackend final : public Backend {
   }
 
   void gemv(const LinearWeight& w, const float* x, int64_t m, float* out, cuda::GemvIo io) {
-    if (router_clear_ && w.format == WeightFormat::kInt4) {
+    if (router_clear_ && (w.format == WeightFormat::kInt4 || w.format == WeightFormat::kMxfp4)) {
       io.clear = router_clear_, io.clear_count = router_clear_count_;
       router_clear_ = nullptr;
     }

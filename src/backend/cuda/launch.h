@@ -60,7 +60,7 @@ struct GemvIo {
   // With `norm`, gemv_int4 also writes the normalised rows as its blocks stage them (f16 in the
   // decode mma order, [m, k]): a 4-bit MoE router, whose gate/up kernel copies them (MoeRouting::xn).
   void* staged_out = nullptr;
-  // gemv_int4 zeroes clear[0..clear_count) once the kernel it waits for is done (a folded router's
+  // gemv_int4 and gemv_mxfp4 zero clear[0..clear_count) once the kernel they wait for is done (a folded router's
   // sums, RouterAcc, for the next step).
   unsigned long long* clear = nullptr;
   int clear_count = 0;
@@ -128,10 +128,13 @@ struct MoeRouting {
   int64_t replica_stride = 0;
   // Or the sums of a router folded into the o projection (gemv_int4_router_fold): one token.
   RouterAcc acc;
-  // Or ids and weights routed from the sums of a router folded into an MXFP4 o GEMV
-  // (gemv_mxfp4_router_fold): one token, its row staged in xn (written two launches back), whose
-  // factor is *x_scale; the streamed kernels only (moe_mxfp4_streamed).
+  // Or, one token through a router folded into an MXFP4 o GEMV (gemv_mxfp4_router_fold), its row
+  // staged in xn by o (x · γ / 16), the streamed kernels only (moe_mxfp4_streamed): ids and weights
+  // from the routing launch after o, the row's factor *x_scale; or, without that launch, acc set
+  // (and the router's bias, or null): the two kernels route from the sums themselves.
   const float* x_scale = nullptr;
+  const float* router_bias = nullptr;
+  float eps = 0.f;  // the MoE norm's, with acc (the sums' 1 / rms)
 };
 // MoE decode for m <= kGemvMaxM tokens with device-side routing: the tables hold each expert's
 // gate/up/down matrix (device arrays of Int4Device, n_experts long), all with the same
@@ -167,6 +170,8 @@ void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, 
 // What the routing launch after a folded MXFP4 o GEMV routes with and writes
 // (kernels/router_fold.cuh): sums, n_experts + 1 fixed-point words, zero between uses (the
 // routing zeroes them); ids and weights [top_k], scale (16 / rms: xg's factor, MoeRouting::x_scale).
+// With ids null there is no routing launch: the expert kernels route from the sums
+// (MoeRouting::acc), and the caller has them zeroed after the MoE block (GemvIo::clear).
 struct FoldedRouting {
   unsigned long long* sums = nullptr;
   const float* bias = nullptr;  // the router's, or null
@@ -177,9 +182,17 @@ struct FoldedRouting {
   float* scale = nullptr;
 };
 // y[1, n] += x · Wᵀ (+ b) for one token (a decode-layout MXFP4 o projection) with the 16-bit router
-// [n_experts, n] folded in, as gemv_int4_router_fold, then the routing launch (FoldedRouting):
-// gpt-oss's MXFP4 experts then read ids, weights and xg (y · norm / 16, f16 in their staged order)
-// scaled by `scale`. False, having launched nothing, where the shapes do not fit it.
+// [n_experts, n] folded in, as gemv_int4_router_fold, then the routing launch (FoldedRouting)
+// unless routing.ids is null: gpt-oss's MXFP4 experts then read ids, weights and xg (y · norm / 16,
+// f16 in their staged order) scaled by `scale`, or route from the sums. False, having launched
+// nothing, where the shapes do not fit it.
+// Whether the callers of gemv_mxfp4_router_fold take its routing launch (the expert kernels then
+// read ids and weights) or let the expert kernels route from the sums: the launch where the
+// experts are more than 32 (gpt-oss-120b's 128: its routing launch measured 1-2% faster, 20b's 32
+// route in the kernels 2.6-3.5% faster, BENCHMARKS.md). set_fold_route_launch(1) always, (0)
+// never, (-1) by the experts (NIBBLE_FOLD_ROUTE_LAUNCH=1 / 0 at start; GptOssOpsTest runs both).
+void set_fold_route_launch(int mode);
+bool fold_route_launch(int64_t n_experts);
 bool gemv_mxfp4_router_fold(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,
                             int64_t n, int64_t k, const void* router, bool bf16, const float* norm, float eps,
                             int64_t n_experts, const FoldedRouting& routing, void* xg);

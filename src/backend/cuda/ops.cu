@@ -387,6 +387,23 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
   });
 }
 
+// Whether gemv_mxfp4_router_fold's callers take its routing launch: NIBBLE_FOLD_ROUTE_LAUNCH=1
+// always, =0 never (read once; set_fold_route_launch), otherwise where the experts are more than
+// one a lane of the routing warp.
+static std::atomic<int>& fold_route_launch_switch() {
+  static std::atomic<int> mode{[] {
+    const char* env = std::getenv("NIBBLE_FOLD_ROUTE_LAUNCH");
+    if (!env) return -1;
+    return std::string_view(env) == "1" ? 1 : std::string_view(env) == "0" ? 0 : -1;
+  }()};
+  return mode;
+}
+void set_fold_route_launch(int mode) { fold_route_launch_switch().store(mode, std::memory_order_relaxed); }
+bool fold_route_launch(int64_t n_experts) {
+  const int mode = fold_route_launch_switch().load(std::memory_order_relaxed);
+  return mode < 0 ? n_experts > 32 : mode == 1;
+}
+
 static std::atomic<int64_t> g_router_fold_launches{0};
 int64_t router_fold_launches() { return g_router_fold_launches.load(std::memory_order_relaxed); }
 
@@ -682,6 +699,13 @@ void dispatch_mxfp4_double(bool lm_head, Fn&& fn) {
 constexpr int kMxfp4StreamWarps = 8;
 constexpr int kMxfp4StreamStages = 2;
 constexpr int kMxfp4StreamGateUpBlocks = 3;  // registers for 3 blocks an SM
+// Down: registers for 2 blocks an SM. An SM's registers are four quarters, one a scheduler, and
+// a warp's must fit in one: at 104 registers a thread (3328 a warp) a quarter holds 4 warps, so
+// 16 an SM, one 9-warp block; at 96, 5 a quarter, two blocks. The routing from a folded router's
+// sums (kMxfp4FoldSums) took down to 104 and its time alone from 18.5 to 27 µs (Nsight Compute,
+// H100); bounded for 2 blocks it takes 89. That was the "routing inside the expert kernels costs
+// 4-7%" of earlier measurements (BENCHMARKS.md).
+constexpr int kMxfp4StreamDownBlocks = 2;
 
 // The most stages, up to `wanted`, that fit one block of the streamed kernels (W consumer warps,
 // K = k, `extra` bytes of staged input) in the shared memory a block may opt in to.
@@ -712,7 +736,7 @@ bool moe_mxfp4_streamed(bool aligned, int64_t m, int64_t inter, int64_t hidden) 
 // ids come from a routing launch, else the experts a lane of route_token.
 template <typename Fn>
 static void dispatch_route_per_lane(const MoeRouting& routing, int64_t n_experts, Fn&& fn) {
-  if (!routing.logits)
+  if (!routing.logits && !routing.acc.sums)
     fn(std::integral_constant<int, 0>{});
   else if (n_experts <= 32)
     fn(std::integral_constant<int, 1>{});
@@ -728,37 +752,46 @@ static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kern
                                       int64_t hidden, float alpha, float limit) {
   constexpr int W = kMxfp4StreamWarps, threads = 32 * (W + 1);
   const int64_t sms = int64_t(sm_count());
+  // Routed from a folded router's sums (gemv_mxfp4_router_fold without its routing launch).
+  const bool sums = routing.acc.sums != nullptr;
+  const kernels::RouterAcc racc = to_kernel(routing.acc, hidden, routing.eps);
   dispatch_route_per_lane(routing, n_experts, [&](auto kPerLane) {
-    auto gate_up = [&](auto kFoldedX) {
+    auto gate_up = [&](auto kFold) {
       const int64_t extra = kernels::mxfp4_x_bytes(m, hidden);
       const int stages = mxfp4_stream_stages(hidden, extra);
       const size_t smem = size_t(kernels::mxfp4_stream_smem(hidden, stages, W, extra));
       const auto kernel =
-          kernels::moe_mxfp4_gate_up_stream_kernel<W, kMxfp4StreamGateUpBlocks, kPerLane.value, kFoldedX.value>;
+          kernels::moe_mxfp4_gate_up_stream_kernel<W, kMxfp4StreamGateUpBlocks, kPerLane.value, kFold.value>;
       allow_smem(kernel, smem);
       const int64_t items = m * top_k * (2 * inter / 16), resident = resident_blocks(kernel, threads, smem) * sms;
       launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, gu, routing.ids, routing.logits,
                       n_experts, x, static_cast<const __half*>(routing.xn), routing.x_scale, act, m * top_k, top_k,
-                      inter, hidden, alpha, limit, stages);
+                      inter, hidden, alpha, limit, stages, racc, routing.router_bias);
     };
     if constexpr (kPerLane.value == 0) {
-      if (routing.x_scale)  // routed and staged by a folded o GEMV (gemv_mxfp4_router_fold)
-        gate_up(std::true_type{});
+      if (routing.x_scale)  // routed by the launch after a folded o GEMV (gemv_mxfp4_router_fold)
+        gate_up(std::integral_constant<int, kernels::kMxfp4FoldLaunch>{});
       else
-        gate_up(std::false_type{});
+        gate_up(std::integral_constant<int, kernels::kMxfp4NoFold>{});
     } else {
-      gate_up(std::false_type{});
+      if (sums)
+        gate_up(std::integral_constant<int, kernels::kMxfp4FoldSums>{});
+      else
+        gate_up(std::integral_constant<int, kernels::kMxfp4NoFold>{});
     }
-    {
+    auto down = [&](auto kFoldedSums) {
       const int stages = mxfp4_stream_stages(inter, 0);
       const size_t smem = size_t(kernels::mxfp4_stream_smem(inter, stages, W, 0));
-      const auto kernel = kernels::moe_mxfp4_down_stream_kernel<W, 1, kPerLane.value>;
+      const auto kernel = kernels::moe_mxfp4_down_stream_kernel<W, kMxfp4StreamDownBlocks, kPerLane.value, kFoldedSums.value>;
       allow_smem(kernel, smem);
       const int64_t items = m * (hidden / 16), resident = resident_blocks(kernel, threads, smem) * sms;
       launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, dn, routing.ids, routing.weights,
                       routing.logits, n_experts, routing.normalize, static_cast<const __half*>(act), out, m, top_k,
-                      inter, hidden, accumulate, stages);
-    }
+                      inter, hidden, accumulate, stages, racc, routing.router_bias);
+    };
+    if constexpr (kPerLane.value > 0)
+      if (sums) return down(std::true_type{});
+    down(std::false_type{});
   });
 }
 
@@ -861,8 +894,11 @@ static void gemv_mxfp4_stream(const kernels::Mxfp4Weight& w, const float* bias, 
 void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y, int64_t m,
                 int64_t n, int64_t k, const GemvIo& io) {
   const kernels::Mxfp4Weight w{codes, scales};
-  if (const int stages = gemv_mxfp4_stream_stages(codes, scales, m, n, k, io); stages > 0)
+  if (const int stages = gemv_mxfp4_stream_stages(codes, scales, m, n, k, io); stages > 0) {
+    if (io.clear)  // the streamed kernel has no clear of its own
+      cudaMemsetAsync(io.clear, 0, size_t(io.clear_count) * 8, cudaStreamPerThread);  // errors: the caller checks
     return gemv_mxfp4_stream(w, bias, x, y, n, k, io, stages);
+  }
   const size_t smem = size_t(kernels::mxfp4_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_mxfp4_split(k, n, [&](auto KS, auto NTB, auto B) {
@@ -892,7 +928,10 @@ bool gemv_mxfp4_router_fold(const uint8_t* codes, const uint8_t* scales, const f
   dispatch_mxfp4_split(k, n, [&](auto KS, auto NTB, auto B) {
     // The shapes gemv_mxfp4 gives one token with one tile a block and one wave (o projections).
     if constexpr (NTB.value == 1) {
-      const auto kernel = kernels::gemv_mxfp4_mma_kernel<false, KS.value, 1, false, B.value, true>;
+      const auto kernel = routing.ids
+                              ? kernels::gemv_mxfp4_mma_kernel<false, KS.value, 1, false, B.value, 1>
+                              : kernels::gemv_mxfp4_mma_kernel<false, KS.value, 1, false, B.value,
+                                                               kernels::kMxfp4FoldSelfRouted>;
       const int threads = 32 * KS.value;
       const int64_t tiles = n / 16;
       if (n_experts > kernels::kFoldExpertsPerThread * threads ||
@@ -911,7 +950,7 @@ bool gemv_mxfp4_router_fold(const uint8_t* codes, const uint8_t* scales, const f
                                    int(routing.top_k), routing.normalize}};
       launch_pdl_smem(kernel, unsigned(tiles), threads, smem, kernels::Mxfp4Weight{codes, scales}, bias, x, y, 1, n,
                       k, kernels::GemvIo{nullptr, 0.f, true}, fold);
-      launch_pdl(kernels::moe_route_folded_kernel, 1u, 128, fold);
+      if (routing.ids) launch_pdl(kernels::moe_route_folded_kernel, 1u, 128, fold);
       launched = true;
       g_router_fold_launches.fetch_add(1, std::memory_order_relaxed);
     }
