@@ -104,6 +104,19 @@ __device__ __forceinline__ void route_token_by(Logit&& logit_of, int64_t n_exper
   }
 }
 
+// This lane's arg-max keys from the logits: key[i] for expert lane + 32 i (0 past n_experts).
+template <int kMaxPerLane, typename Logit>
+__device__ __forceinline__ void route_keys_by(Logit&& logit_of, int64_t n_experts, uint32_t (&key)[kMaxPerLane]) {
+  const int lane = threadIdx.x % 32;
+  const int per_lane = int((n_experts + 31) / 32);
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) {
+    if (i >= per_lane) break;
+    const int64_t e = lane + 32 * i;
+    key[i] = e < n_experts ? route_key(logit_of(e)) : 0u;
+  }
+}
+
 // The top_k experts only (ids[j] the j-th choice, lanes < top_k), by one warp: route_token_by's
 // keys, rounds and tie rule without the softmax, for a kernel that needs no weights.
 template <int kMaxPerLane = kMoeMaxExpertsPerLane, typename Logit>
@@ -112,12 +125,7 @@ __device__ __forceinline__ void route_ids_by(Logit&& logit_of, int64_t n_experts
   const int lane = threadIdx.x % 32;
   const int per_lane = int((n_experts + 31) / 32);
   uint32_t key[kMaxPerLane];
-#pragma unroll
-  for (int i = 0; i < kMaxPerLane; ++i) {
-    if (i >= per_lane) break;
-    const int64_t e = lane + 32 * i;
-    key[i] = e < n_experts ? route_key(logit_of(e)) : 0u;
-  }
+  route_keys_by(logit_of, n_experts, key);
   int32_t chosen = -1;
   for (int64_t j = 0; j < top_k; ++j) {
     uint32_t best;
@@ -145,15 +153,9 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
 template <int kMaxPerLane = kMoeMaxExpertsPerLane, typename Logit>
 __device__ __forceinline__ int32_t route_choice_by(Logit&& logit_of, int64_t n_experts, int64_t s,
                                                    float* logit = nullptr) {
-  const int lane = threadIdx.x % 32;
   const int per_lane = int((n_experts + 31) / 32);
   uint32_t key[kMaxPerLane];
-#pragma unroll
-  for (int i = 0; i < kMaxPerLane; ++i) {
-    if (i >= per_lane) break;
-    const int64_t e = lane + 32 * i;
-    key[i] = e < n_experts ? route_key(logit_of(e)) : 0u;
-  }
+  route_keys_by(logit_of, n_experts, key);
   int32_t e = 0;
   uint32_t best;
   for (int64_t j = 0; j <= s; ++j) e = route_round(key, per_lane, &best);
