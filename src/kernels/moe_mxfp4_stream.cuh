@@ -101,8 +101,10 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
   float factor = 1.f;
   if constexpr (kSums) {
     // The producer warp routes (it issues the first copies once the block's barrier passes) while
-    // the consumers copy the row: the two L2 trips overlap. Only that warp reads the sums: every
-    // warp of ~400 blocks reading Σh² at once measured slower (BENCHMARKS.md).
+    // the consumers copy the row: the two L2 trips overlap. Only that warp reads the sums; the
+    // others take the factor from shared memory. (This, the table and the two-unit copy together
+    // measured a tie against every warp reading Σh² and the descriptors read from global memory,
+    // BENCHMARKS.md.)
     if (warp == W) {
       const float inv =
           route_token_folded<kRoutePerLane>(racc, router_bias, n_experts, top_k, false, routing.ids, nullptr);

@@ -498,9 +498,9 @@ class CudaBackend final : public Backend {
   // the two streamed expert launches, which route from its sums themselves (gate/up after its
   // wait, down before its own); the next MXFP4 or INT4 GEMV zeroes the sums (router_clear_). The
   // router's launch leaves the layer's chain (gpt-oss-20b all-MXFP4 tg128 +1.2%, 120b +1.9% at
-  // depth 0 with a one-block routing launch after o, H100, BENCHMARKS.md), and so does that
-  // routing launch (cuda::fold_route_launch(): it, for A/B runs). False, having launched
-  // nothing, where the shapes do not fit.
+  // depth 0 with a one-block routing launch after o), and for 20b's 32 experts that routing
+  // launch too (+2.8%); 120b's 128 keep it (cuda::fold_route_launch; H100, BENCHMARKS.md). False,
+  // having launched nothing, where the shapes do not fit.
   bool mxfp4_fold(const LinearWeight& o, const float* a, const WeightVector& norm, float eps, const MoeWeights& w,
                   float* x) {
     const int64_t H = w.router.k, E = w.router.n, K = w.top_k;

@@ -181,18 +181,18 @@ struct FoldedRouting {
   float* weights = nullptr;
   float* scale = nullptr;
 };
+// Whether the callers of gemv_mxfp4_router_fold take its routing launch (the expert kernels then
+// read ids and weights) or let the expert kernels route from the sums: the launch where the
+// experts are more than 32 (gpt-oss-120b's 128: its routing launch measured 1-2% faster, 20b's 32
+// route in the kernels 2.8% faster, BENCHMARKS.md). set_fold_route_launch(1) always, (0)
+// never, (-1) by the experts (NIBBLE_FOLD_ROUTE_LAUNCH=1 / 0 at start; GptOssOpsTest runs both).
+void set_fold_route_launch(int mode);
+bool fold_route_launch(int64_t n_experts);
 // y[1, n] += x · Wᵀ (+ b) for one token (a decode-layout MXFP4 o projection) with the 16-bit router
 // [n_experts, n] folded in, as gemv_int4_router_fold, then the routing launch (FoldedRouting)
 // unless routing.ids is null: gpt-oss's MXFP4 experts then read ids, weights and xg (y · norm / 16,
 // f16 in their staged order) scaled by `scale`, or route from the sums. False, having launched
 // nothing, where the shapes do not fit it.
-// Whether the callers of gemv_mxfp4_router_fold take its routing launch (the expert kernels then
-// read ids and weights) or let the expert kernels route from the sums: the launch where the
-// experts are more than 32 (gpt-oss-120b's 128: its routing launch measured 1-2% faster, 20b's 32
-// route in the kernels 2.6-3.5% faster, BENCHMARKS.md). set_fold_route_launch(1) always, (0)
-// never, (-1) by the experts (NIBBLE_FOLD_ROUTE_LAUNCH=1 / 0 at start; GptOssOpsTest runs both).
-void set_fold_route_launch(int mode);
-bool fold_route_launch(int64_t n_experts);
 bool gemv_mxfp4_router_fold(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,
                             int64_t n, int64_t k, const void* router, bool bf16, const float* norm, float eps,
                             int64_t n_experts, const FoldedRouting& routing, void* xg);
