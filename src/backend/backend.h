@@ -134,6 +134,13 @@ class Backend {
   // picked[r] and positions[r] += 1 for rows r < n. A recorded greedy or drawn decode step ends
   // with it, so the following step can run before the host has read the token.
   virtual void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions) = 0;
+  // A greedy decode step's end: argmax(x, rows, n, out), then advance_decode(out, rows, ids,
+  // positions). The CUDA backend does both in one launch.
+  virtual void argmax_advance_decode(const float* x, int64_t rows, int64_t n, int32_t* out, int32_t* ids,
+                                     int32_t* positions) {
+    argmax(x, rows, n, out);
+    advance_decode(out, rows, ids, positions);
+  }
   // The residual add fused with the next norm: x[r] += delta[r], then out[r] = rms_norm(x[r]) * w.
   virtual void add_rms_norm(const float* delta, float* x, const WeightVector& w, int64_t rows,
                             int64_t dim, float eps, float* out) = 0;

@@ -36,6 +36,12 @@ __global__ void add_kernel(const float* __restrict__ x, int64_t count, float* __
   if (i < count) y[i] += x[i];
 }
 
+// Block (token, slice of kEmbedPerThread · blockDim.x dims): every thread's loads are issued
+// before any store, so a row costs one memory round trip after the token id's. (One block a token
+// striding over the row put ~12 dependent DRAM trips on the decode step's chain: 6.7 µs for
+// gpt-oss's 2880 dims on the H100, the first launch of every step.)
+constexpr int kEmbedPerThread = 4;
+
 template <DenseType T>
 __global__ void embed_kernel(const void* __restrict__ table, const int32_t* __restrict__ ids,
                              int64_t dim, float* __restrict__ out) {
@@ -44,7 +50,38 @@ __global__ void embed_kernel(const void* __restrict__ table, const int32_t* __re
   NIBBLE_TIMELINE_WAITED();
   const int64_t t = blockIdx.x;
   const int64_t row = ids[t];
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[t * dim + i] = load_weight<T>(table, row * dim + i);
+  const int64_t first = int64_t(blockIdx.y) * blockDim.x * kEmbedPerThread + threadIdx.x;
+  float v[kEmbedPerThread];
+#pragma unroll
+  for (int j = 0; j < kEmbedPerThread; ++j) {
+    const int64_t i = first + int64_t(j) * blockDim.x;
+    v[j] = i < dim ? load_weight<T>(table, row * dim + i) : 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < kEmbedPerThread; ++j) {
+    const int64_t i = first + int64_t(j) * blockDim.x;
+    if (i < dim) out[t * dim + i] = v[j];
+  }
+}
+
+// A decode step's pick, written by the kernel that advances the next step's inputs straight into
+// pinned host memory mapped for the device: ring[seq mod kDecodePostRing] = (seq << 32) | pick,
+// then seq + 1 (a counter in device memory). The host knows each step's seq (it counts the posts it
+// queued), waits for the step's event and checks the tag. Why: the 4-byte copy to the host between
+// two steps' graphs held the next step back ~8 µs (gpt-oss-20b tg128 +0.6% without it, H100,
+// BENCHMARKS.md). Null seq: no post.
+constexpr int kDecodePostRing = 64;
+
+struct DecodePost {
+  unsigned* seq;
+  unsigned long long* ring;
+};
+
+__device__ __forceinline__ void decode_post(const DecodePost& post, int32_t pick) {
+  if (!post.seq) return;
+  const unsigned s = *post.seq;
+  post.ring[s % kDecodePostRing] = (static_cast<unsigned long long>(s) << 32) | static_cast<uint32_t>(pick);
+  *post.seq = s + 1;
 }
 
 // Greedy sampling: the largest of x[r, 0..n) per row r, lowest index on ties (as
@@ -102,12 +139,69 @@ __global__ void argmax_final_kernel(const float* __restrict__ part_val, const in
   if (threadIdx.x == 0) out[blockIdx.x] = best.idx == INT32_MAX ? 0 : best.idx;
 }
 
-// Backend::advance_decode: the next decode step's token ids and positions, one thread a row.
+// Greedy sampling in one launch: argmax_partial_kernel's slices, then the last slice block of a
+// row to finish (a counter a row, which it resets) merges the row's slices as argmax_final_kernel
+// does and writes out[row]; with next_ids, also the next decode step's inputs (advance_decode:
+// next_ids[row] = the pick, positions[row] + 1, and a one-row step's post). Two launches less at
+// the end of every greedy decode step (gpt-oss-20b all-MXFP4 tg128 +0.2-0.5% on the H100, a tie for
+// Qwen3-30B-A3B INT4: BENCHMARKS.md).
+__global__ void argmax_last_block_kernel(const float* __restrict__ x, int64_t n, float* __restrict__ part_val,
+                                         int32_t* __restrict__ part_idx, unsigned* __restrict__ counters,
+                                         int32_t* __restrict__ out, int32_t* __restrict__ next_ids,
+                                         int32_t* __restrict__ positions, DecodePost post) {
+  NIBBLE_TIMELINE_BLOCK(kArgmaxPartial);
+  pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
+  __shared__ ArgmaxBest s_best[32];
+  __shared__ bool s_last;
+  const int64_t slice = (n + kArgmaxSplits - 1) / kArgmaxSplits;
+  const int64_t begin = blockIdx.y * slice, end = ::min(n, begin + slice);
+  const float* row = x + int64_t(blockIdx.x) * n;
+  ArgmaxBest best;
+#pragma unroll 8
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) best.merge(row[i], int32_t(i));
+  best.warp_merge();
+  if (threadIdx.x % 32 == 0) s_best[threadIdx.x / 32] = best;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    best = threadIdx.x < blockDim.x / 32 ? s_best[threadIdx.x] : ArgmaxBest{};
+    best.warp_merge();
+    if (threadIdx.x == 0) {
+      part_val[blockIdx.x * kArgmaxSplits + blockIdx.y] = best.val;
+      part_idx[blockIdx.x * kArgmaxSplits + blockIdx.y] = best.idx;
+      __threadfence();  // the partial before the count: the last block reads it
+      s_last = atomicAdd(&counters[blockIdx.x], 1u) == kArgmaxSplits - 1;
+    }
+  }
+  __syncthreads();
+  if (!s_last || threadIdx.x >= 32) return;
+  __threadfence();  // the other blocks' partials, seen through their counts
+  best = ArgmaxBest{};
+  for (int s = threadIdx.x; s < kArgmaxSplits; s += 32)
+    best.merge(__ldcg(part_val + blockIdx.x * kArgmaxSplits + s), __ldcg(part_idx + blockIdx.x * kArgmaxSplits + s));
+  best.warp_merge();
+  if (threadIdx.x == 0) {
+    const int32_t pick = best.idx == INT32_MAX ? 0 : best.idx;  // all-NaN rows: index 0, as argmax_final
+    out[blockIdx.x] = pick;
+    if (next_ids) {
+      next_ids[blockIdx.x] = pick, positions[blockIdx.x] += 1;
+      if (gridDim.x == 1) decode_post(post, pick);
+    }
+    counters[blockIdx.x] = 0;  // for the next launch (stream order: none runs beside this one)
+  }
+}
+
+// Backend::advance_decode: the next decode step's token ids and positions, one thread a row; with
+// post, the pick of a one-row step also goes to the host (decode_post).
 __global__ void advance_decode_kernel(const int32_t* __restrict__ picked, int64_t n, int32_t* __restrict__ ids,
-                                      int32_t* __restrict__ positions) {
+                                      int32_t* __restrict__ positions, DecodePost post) {
   pdl_enter();
   const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r < n) ids[r] = picked[r], positions[r] += 1;
+  if (r < n) {
+    const int32_t pick = picked[r];
+    ids[r] = pick, positions[r] += 1;
+    if (n == 1) decode_post(post, pick);
+  }
 }
 
 // kind: 0 = f32, 1 = bf16, 2 = u8 integers lo..hi, 3 = f16; values as the CPU backend's fill_random.

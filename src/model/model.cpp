@@ -167,9 +167,14 @@ void Model::replay_decode(KvCache& kv, int64_t bucket, bool pick, bool sample) {
   record_or_replay(key, [&] {
     compute(step);
     if (!pick) return;
-    pick_decode(sample);
-    backend_.advance_decode(decode_token_.data<int32_t>(), 1, decode_ids_.data<int32_t>(),
-                            decode_positions_.data<int32_t>());
+    if (sample) {
+      pick_decode(true);
+      backend_.advance_decode(decode_token_.data<int32_t>(), 1, decode_ids_.data<int32_t>(),
+                              decode_positions_.data<int32_t>());
+    } else {
+      backend_.argmax_advance_decode(decode_logits_.data(), 1, config_.vocab_size, decode_token_.data<int32_t>(),
+                                     decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>());
+    }
   }, graph_keys_[kv.id()]);
 }
 

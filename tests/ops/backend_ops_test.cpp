@@ -613,6 +613,56 @@ TEST_F(OpsTest, Penalties) {
   ++cases_;
 }
 
+// A greedy decode step's end in one launch (the slices' last block merges and advances the next
+// step's inputs): the picks, ids and positions of the reference, for several rows and vocabularies,
+// with the maximum tied at two indices (the lower wins) and a row of NaNs (index 0), and three
+// calls in a row (the counters are left zeroed for the next).
+TEST_F(OpsTest, ArgmaxAdvanceDecode) {
+  for (auto [rows, n] : {std::pair<int64_t, int64_t>{1, 201088}, {3, 151936}, {2, 1000}, {4, 37}}) {
+    std::vector<int32_t> positions0(static_cast<size_t>(rows));
+    for (auto& p : positions0) p = std::uniform_int_distribution<int32_t>(0, 40000)(rng_);
+    int32_t* d_ids = nullptr;
+    int32_t* d_pos = nullptr;
+    int32_t* d_out = nullptr;
+    for (auto* ptr : {&d_ids, &d_pos, &d_out}) {
+      buffers_.emplace_back(*gpu_, size_t(rows) * 4);
+      *ptr = buffers_.back().data<int32_t>();
+    }
+    gpu_->copy_to_backend(d_pos, positions0.data(), size_t(rows) * 4);
+    std::vector<int32_t> want_pos = positions0;
+    for (int call = 0; call < 3; ++call) {
+      auto logits = random(rows * n, 6.f);
+      const int64_t r_tie = call % rows;
+      std::uniform_int_distribution<int64_t> at(0, n - 1);
+      const int64_t a = at(rng_), b = at(rng_);
+      const float top = 100.f + float(call);
+      logits[size_t(r_tie * n + a)] = top, logits[size_t(r_tie * n + b)] = top;
+      if (rows > 1 && call == 2) {  // a row of NaNs beside the tied one
+        const int64_t r_nan = (r_tie + 1) % rows;
+        std::fill(logits.begin() + r_nan * n, logits.begin() + (r_nan + 1) * n, std::nanf(""));
+      }
+      std::vector<int32_t> want_out(static_cast<size_t>(rows)), want_ids(want_out.size());
+      cpu_->argmax_advance_decode(logits.data(), rows, n, want_out.data(), want_ids.data(), want_pos.data());
+      ASSERT_EQ(want_out[size_t(r_tie)], int32_t(std::min(a, b)));
+      gpu_->argmax_advance_decode(on_gpu(logits), rows, n, d_out, d_ids, d_pos);
+      std::vector<int32_t> got_out(want_out.size()), got_ids(want_out.size()), got_pos(want_out.size());
+      gpu_->copy_to_host(got_out.data(), d_out, size_t(rows) * 4);
+      gpu_->copy_to_host(got_ids.data(), d_ids, size_t(rows) * 4);
+      gpu_->copy_to_host(got_pos.data(), d_pos, size_t(rows) * 4);
+      EXPECT_EQ(got_out, want_out) << "rows " << rows << ", n " << n << ", call " << call;
+      EXPECT_EQ(got_ids, want_out) << "rows " << rows << ", n " << n << ", call " << call;
+      EXPECT_EQ(got_pos, want_pos) << "rows " << rows << ", n " << n << ", call " << call;
+      // The plain argmax takes the same one-launch path and leaves the inputs alone.
+      std::vector<int32_t> again(want_out.size());
+      gpu_->argmax(on_gpu(logits), rows, n, d_out);
+      gpu_->copy_to_host(again.data(), d_out, size_t(rows) * 4);
+      EXPECT_EQ(again, want_out);
+      ++cases_;
+    }
+    release_buffers();
+  }
+}
+
 TEST_F(OpsTest, MoeRoute) {
   for (auto [m, experts, top_k] : {std::tuple<int64_t, int64_t, int64_t>{1, 7, 3}, {13, 128, 8}, {40, 16, 1}}) {
     for (bool normalize : {true, false}) {

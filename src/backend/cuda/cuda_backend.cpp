@@ -115,6 +115,14 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemset(route_counter_.data(), 0, sizeof(unsigned)));
     attention_counters_ = Buffer(*this, cuda::kAttentionMaxPairs * sizeof(unsigned));
     CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, cuda::kAttentionMaxPairs * sizeof(unsigned)));
+    argmax_counters_ = Buffer(*this, cuda::kArgmaxMaxRows * sizeof(unsigned));
+    CUDA_CHECK(cudaMemset(argmax_counters_.data(), 0, cuda::kArgmaxMaxRows * sizeof(unsigned)));
+    post_seq_ = Buffer(*this, sizeof(unsigned));
+    CUDA_CHECK(cudaMemset(post_seq_.data(), 0, sizeof(unsigned)));
+    CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&post_ring_), cuda::kDecodePostRing * 8, cudaHostAllocMapped));
+    std::fill(post_ring_, post_ring_ + cuda::kDecodePostRing, ~0ull);
+    std::fill(std::begin(slot_post_), std::end(slot_post_), int64_t(-1));
+    CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&post_ring_device_), post_ring_, 0));
     if (const char* spec = std::getenv("NIBBLE_PDL_TRIGGER")) {  // for A/B runs (backend/pdl_trigger.h)
       uint32_t bits = 0;
       std::string why_not;
@@ -173,6 +181,9 @@ class CudaBackend final : public Backend {
     }
     route_counter_ = Buffer();
     attention_counters_ = Buffer();
+    argmax_counters_ = Buffer();
+    post_seq_ = Buffer();
+    if (post_ring_) cudaFreeHost(post_ring_);
     for (cudaEvent_t e : mailbox_events_)
       if (e) cudaEventDestroy(e);
     for (cudaEvent_t e : staging_events_)
@@ -251,17 +262,35 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, cudaStreamPerThread));
     CUDA_CHECK(cudaEventRecord(staging_events_[slot], cudaStreamPerThread));
   }
+  // A one-int post of the pick the last queued advance wrote (Model::decode_enqueue's token) needs
+  // no copy: that advance's kernel wrote it to the mapped ring (kernels/elementwise.cuh
+  // decode_post) as post number posts_queued_ - 1, so the slot keeps that number and the event.
+  // Other posts copy. NIBBLE_DECODE_POST_COPY=1: always copy, for A/B runs.
   void post_ints(int slot, const int32_t* src, int64_t n) override {
     check_mailbox("post_ints", slot, n);
     ensure_host_slots();
-    CUDA_CHECK(cudaMemcpyAsync(host_mailbox_ + slot * kMailboxInts, src, size_t(n) * 4, cudaMemcpyDeviceToHost,
-                               cudaStreamPerThread));
+    static const bool copy = std::getenv("NIBBLE_DECODE_POST_COPY") != nullptr;
+    if (!copy && n == 1 && src == last_post_src_ && posts_queued_ > 0) {
+      slot_post_[slot] = posts_queued_ - 1;
+    } else {
+      slot_post_[slot] = -1;
+      CUDA_CHECK(cudaMemcpyAsync(host_mailbox_ + slot * kMailboxInts, src, size_t(n) * 4, cudaMemcpyDeviceToHost,
+                                 cudaStreamPerThread));
+    }
     CUDA_CHECK(cudaEventRecord(mailbox_events_[slot], cudaStreamPerThread));
   }
   void take_ints(int slot, int32_t* dst, int64_t n) override {
     check_mailbox("take_ints", slot, n);
     ensure_host_slots();
     CUDA_CHECK(cudaEventSynchronize(mailbox_events_[slot]));
+    if (const int64_t post = slot_post_[slot]; post >= 0) {
+      const unsigned long long entry = reinterpret_cast<volatile unsigned long long*>(post_ring_)[post % cuda::kDecodePostRing];
+      NIBBLE_CHECK(entry >> 32 == (static_cast<unsigned long long>(post) & 0xffffffffull) && n == 1,
+                   "take_ints: decode post {} is not in the ring (found tag {}): the host's count of queued "
+                   "posts and the device's differ", post, entry >> 32);
+      dst[0] = static_cast<int32_t>(static_cast<uint32_t>(entry));
+      return;
+    }
     std::copy(host_mailbox_ + slot * kMailboxInts, host_mailbox_ + slot * kMailboxInts + n, dst);
   }
 
@@ -793,6 +822,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamBeginCapture(cudaStreamPerThread, cudaStreamCaptureModeRelaxed));
     capturing_ = true;
     capture_failed_ = false;
+    capture_posts_ = 0;
     profiler_.paused_ = true;
   }
 
@@ -815,6 +845,7 @@ class CudaBackend final : public Backend {
       return false;
     }
     graphs_[key] = exec;
+    graph_posts_[key] = capture_posts_;
     return true;
   }
 
@@ -823,6 +854,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaDeviceSynchronize());
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
     graphs_.clear();
+    graph_posts_.clear();
     for (auto& [size, blocks] : free_blocks_)
       for (void* p : blocks) CUDA_CHECK(cudaFree(p));
     free_blocks_.clear();
@@ -834,6 +866,7 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(cudaStreamPerThread);  // not while a launch may run; no throw: called from destructors
     cudaGraphExecDestroy(it->second);
     graphs_.erase(it);
+    graph_posts_.erase(key);
   }
   size_t graph_count() const override { return graphs_.size(); }
 
@@ -842,20 +875,34 @@ class CudaBackend final : public Backend {
     if (it == graphs_.end()) return false;
     OpProfiler::Scope scope(profiler_, "graph step");
     CUDA_CHECK(cudaGraphLaunch(it->second, cudaStreamPerThread));
+    posts_queued_ += graph_posts_[key];
     return true;
   }
 
   void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions) override {
     OpProfiler::Scope scope(profiler_, "advance_decode");
-    cuda::advance_decode(picked, n, ids, positions);
+    cuda::advance_decode(picked, n, ids, positions, decode_post(picked, n));
     CUDA_CHECK_LAUNCH("advance_decode");
   }
 
   void argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
     OpProfiler::Scope scope(profiler_, "argmax");
     Buffer scratch(*this, size_t(cuda::argmax_scratch_bytes(rows)));
-    cuda::argmax(x, rows, n, out, scratch.data());
+    cuda::argmax(x, rows, n, out, scratch.data(), argmax_counters());
     CUDA_CHECK_LAUNCH("argmax");
+  }
+  void argmax_advance_decode(const float* x, int64_t rows, int64_t n, int32_t* out, int32_t* ids,
+                             int32_t* positions) override {
+    bool advanced = false;
+    {
+      OpProfiler::Scope scope(profiler_, "argmax");
+      Buffer scratch(*this, size_t(cuda::argmax_scratch_bytes(rows)));
+      const cuda::DecodePostArgs post = decode_post(out, rows);
+      advanced = cuda::argmax(x, rows, n, out, scratch.data(), argmax_counters(), ids, positions, post);
+      if (!advanced) undo_post(post);  // advance_decode below posts it
+      CUDA_CHECK_LAUNCH("argmax");
+    }
+    if (!advanced) advance_decode(out, rows, ids, positions);
   }
 
   void apply_penalties(float* logits, int64_t n, const PenaltyRow* rows, int64_t n_rows,
@@ -1245,6 +1292,28 @@ class CudaBackend final : public Backend {
   std::string timeline_path_;  // NIBBLE_TIMELINE: where the in-kernel timeline goes at exit
   Buffer route_counter_;  // the fused router's "last block routes" counter, 0 between launches
   Buffer attention_counters_;  // decode attention's "last split merges" counters, 0 between launches
+  Buffer argmax_counters_;     // the one-launch argmax's counters a row, 0 between launches
+  unsigned* argmax_counters() { return argmax_counters_.data<unsigned>(); }
+
+  // Decode posts (post_ints): the device's count of the picks it posted, the mapped ring, and the
+  // host's count of the posts it queued (direct launches, and each replay of a graph by the posts
+  // recorded in it), which the device's count matches in stream order.
+  cuda::DecodePostArgs decode_post(const int32_t* picked, int64_t rows) {
+    if (rows != 1) return {};
+    last_post_src_ = picked;
+    ++(capturing_ ? capture_posts_ : posts_queued_);
+    return {post_seq_.data<unsigned>(), post_ring_device_};
+  }
+  void undo_post(const cuda::DecodePostArgs& post) {
+    if (post.seq) --(capturing_ ? capture_posts_ : posts_queued_);
+  }
+  Buffer post_seq_;
+  unsigned long long* post_ring_ = nullptr;         // host view, kDecodePostRing entries
+  unsigned long long* post_ring_device_ = nullptr;  // the device's view of the same memory
+  const int32_t* last_post_src_ = nullptr;
+  int64_t posts_queued_ = 0, capture_posts_ = 0;
+  int64_t slot_post_[kMailboxSlots];  // the post a mailbox slot waits for, -1: its copy
+  std::unordered_map<uint64_t, int64_t> graph_posts_;
 };
 
 }  // namespace

@@ -231,10 +231,22 @@ void clamped_swiglu_interleaved(const float* gate_up, int64_t rows, int64_t inte
                                 float* out);
 void add(const float* x, int64_t count, float* y);
 // Row-wise arg-max (lowest index on ties); scratch: argmax_scratch_bytes(rows) of device memory.
+// counters: kArgmaxMaxRows zeroed counters (left zeroed), or null. With them, one launch whose last
+// block a row merges; with next_ids too, it also advances the next decode step's inputs as
+// advance_decode does, and returns true (false: the caller still runs advance_decode).
+// post (post_seq and post_ring non-null, one row): the pick also goes to the host's mapped ring
+// (kernels/elementwise.cuh decode_post).
+constexpr int64_t kArgmaxMaxRows = 4096;
+constexpr int kDecodePostRing = 64;
+struct DecodePostArgs {
+  unsigned* seq = nullptr;               // device memory
+  unsigned long long* ring = nullptr;    // kDecodePostRing entries of mapped pinned host memory
+};
 int64_t argmax_scratch_bytes(int64_t rows);
-void argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch);
+bool argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch, unsigned* counters = nullptr,
+            int32_t* next_ids = nullptr, int32_t* positions = nullptr, DecodePostArgs post = {});
 // Backend::advance_decode.
-void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions);
+void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions, DecodePostArgs post = {});
 // Backend::apply_penalties (sampling.cu).
 void apply_penalties(float* logits, int64_t n, const PenaltyRow* rows, int64_t n_rows, const PenaltyToken* tokens);
 // Backend::sample for one row of n <= kSampleMaxVocab logits (sampling.cu); scratch:

@@ -58,7 +58,9 @@ struct LinearDense {
 template <kernels::DenseType T>
 struct Embed {
   static void run(const void* table, const int32_t* ids, int64_t m, int64_t dim, float* out) {
-    launch_pdl(kernels::embed_kernel<T>, unsigned(m), 256, table, ids, dim, out);
+    constexpr int kThreads = 256;
+    const dim3 grid(unsigned(m), unsigned(blocks_for(dim, kThreads * kernels::kEmbedPerThread)));
+    launch_pdl(kernels::embed_kernel<T>, grid, kThreads, table, ids, dim, out);
   }
 };
 
@@ -960,16 +962,29 @@ bool gemv_mxfp4_router_fold(const uint8_t* codes, const uint8_t* scales, const f
 
 int64_t argmax_scratch_bytes(int64_t rows) { return rows * kernels::kArgmaxSplits * 8; }
 
-void argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch) {
+static_assert(kDecodePostRing == kernels::kDecodePostRing);
+
+bool argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch, unsigned* counters,
+            int32_t* next_ids, int32_t* positions, DecodePostArgs post) {
   auto* part_val = static_cast<float*>(scratch);
   auto* part_idx = reinterpret_cast<int32_t*>(part_val + rows * kernels::kArgmaxSplits);
+  // NIBBLE_ARGMAX_TWO_LAUNCHES=1: the slices' launch, then a merging one (and advance_decode's),
+  // for A/B runs.
+  static const bool two = std::getenv("NIBBLE_ARGMAX_TWO_LAUNCHES") != nullptr;
+  if (!two && counters && rows <= kArgmaxMaxRows) {
+    launch_pdl(kernels::argmax_last_block_kernel, dim3(unsigned(rows), kernels::kArgmaxSplits), 256, x, n, part_val,
+               part_idx, counters, out, next_ids, positions, kernels::DecodePost{post.seq, post.ring});
+    return next_ids != nullptr;
+  }
   launch_pdl(kernels::argmax_partial_kernel, dim3(unsigned(rows), kernels::kArgmaxSplits), 256, x, n, part_val,
              part_idx);
   launch_pdl(kernels::argmax_final_kernel, unsigned(rows), 32, part_val, part_idx, out);
+  return false;
 }
 
-void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions) {
-  launch_pdl(kernels::advance_decode_kernel, blocks_for(n, 128), 128, picked, n, ids, positions);
+void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions, DecodePostArgs post) {
+  launch_pdl(kernels::advance_decode_kernel, blocks_for(n, 128), 128, picked, n, ids, positions,
+             kernels::DecodePost{post.seq, post.ring});
 }
 
 void add(const float* x, int64_t count, float* y) {
