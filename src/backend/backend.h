@@ -141,6 +141,13 @@ class Backend {
     argmax(x, rows, n, out);
     advance_decode(out, rows, ids, positions);
   }
+  // One token's logits (rms_norm_linear, m = 1) and its greedy pick with the next step's inputs
+  // (argmax_advance_decode over them). The CUDA backend's streamed MXFP4 head picks as it goes.
+  virtual void rms_norm_linear_pick(const float* x, const WeightVector& norm, float eps, const LinearWeight& w,
+                                    float* logits, int32_t* out, int32_t* ids, int32_t* positions) {
+    rms_norm_linear(x, norm, eps, w, 1, logits);
+    argmax_advance_decode(logits, 1, w.n, out, ids, positions);
+  }
   // The residual add fused with the next norm: x[r] += delta[r], then out[r] = rms_norm(x[r]) * w.
   virtual void add_rms_norm(const float* delta, float* x, const WeightVector& w, int64_t rows,
                             int64_t dim, float eps, float* out) = 0;

@@ -8,6 +8,7 @@
 #include "kernels/activation.cuh"
 #include "kernels/linear.cuh"
 #include "kernels/pdl.cuh"
+#include "kernels/pick.cuh"
 #include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
@@ -64,42 +65,11 @@ __global__ void embed_kernel(const void* __restrict__ table, const int32_t* __re
   }
 }
 
-// A decode step's pick, written by the kernel that advances the next step's inputs straight into
-// pinned host memory mapped for the device: ring[seq mod kDecodePostRing] = (seq << 32) | pick,
-// then seq + 1 (a counter in device memory). The host knows each step's seq (it counts the posts it
-// queued), waits for the step's event and checks the tag. Why: the 4-byte copy to the host between
-// two steps' graphs held the next step back ~8 µs (gpt-oss-20b tg128 +0.6% without it, H100,
-// BENCHMARKS.md). Null seq: no post.
-constexpr int kDecodePostRing = 64;
-
-struct DecodePost {
-  unsigned* seq;
-  unsigned long long* ring;
-};
-
-__device__ __forceinline__ void decode_post(const DecodePost& post, int32_t pick) {
-  if (!post.seq) return;
-  const unsigned s = *post.seq;
-  post.ring[s % kDecodePostRing] = (static_cast<unsigned long long>(s) << 32) | static_cast<uint32_t>(pick);
-  *post.seq = s + 1;
-}
-
 // Greedy sampling: the largest of x[r, 0..n) per row r, lowest index on ties (as
 // std::max_element), in two launches: kArgmaxSplits blocks per row each reduce a slice (a vocabulary
 // of 152K read by one block was a 58 µs chain of dependent loads), then one warp per row merges the
 // slices' (value, index) pairs.
 constexpr int kArgmaxSplits = 64;
-
-struct ArgmaxBest {
-  float val = -INFINITY;
-  int32_t idx = INT32_MAX;
-  __device__ __forceinline__ void merge(float v, int32_t i) {
-    if (v > val || (v == val && i < idx)) val = v, idx = i;
-  }
-  __device__ __forceinline__ void warp_merge() {
-    for (int o = 16; o > 0; o >>= 1) merge(__shfl_xor_sync(0xffffffffu, val, o), __shfl_xor_sync(0xffffffffu, idx, o));
-  }
-};
 
 __global__ void argmax_partial_kernel(const float* __restrict__ x, int64_t n, float* __restrict__ part_val,
                                       int32_t* __restrict__ part_idx) {

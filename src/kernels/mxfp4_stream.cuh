@@ -28,6 +28,7 @@
 
 #include "kernels/bulk_copy.cuh"
 #include "kernels/gemv_mxfp4.cuh"
+#include "kernels/pick.cuh"
 #include "kernels/timeline.cuh"
 
 namespace nibble::kernels {
@@ -231,14 +232,18 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
 // block's first `stages` tiles are copied before the PDL wait; after it the block stages x
 // (normalised when kNorm) once. Why: the register GEMV read gpt-oss's 201088 x 2880 head at ~2.1-2.3
 // TB/s, its warps' loads in flight bounded by their registers (BENCHMARKS.md).
-template <int W, bool kNorm, int kMinBlocks = 1>
+// kPick: a greedy decode step's head also picks the token (pick.cuh GreedyPick): each thread keeps
+// the best of the rows it stores, the blocks' bests meet in the last block to finish, so no argmax
+// launch follows the head.
+template <int W, bool kNorm, int kMinBlocks = 1, bool kPick = false>
 __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) gemv_mxfp4_stream_kernel(Mxfp4Weight w, const float* __restrict__ bias,
                                                                          const float* __restrict__ x,
                                                                          float* __restrict__ y, int64_t n, int64_t k,
-                                                                         GemvIo io, int stages) {
+                                                                         GemvIo io, int stages, GreedyPick pick) {
   NIBBLE_TIMELINE_BLOCK(kGemvInt4);
   __half* xs = reinterpret_cast<__half*>(dynamic_smem() + mxfp4_stream_extra_offset(k, stages, W));
   const uint4* xb = reinterpret_cast<const uint4*>(xs) + threadIdx.x % 4;
+  ArgmaxBest best;  // kPick: of the rows this thread stores
   mxfp4_stream<W, true, false>(
       n / 16, 1, k, stages, [&](int64_t it, int) { return Mxfp4StreamTile{w, 16 * it}; },
       [&](int64_t, int) { return Mxfp4StreamInput{xb, 1.f}; },
@@ -249,13 +254,19 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) gemv_mxfp4_stream_ke
         float total = bias ? bias[row] : 0.f;
 #pragma unroll
         for (int i = 0; i < W; ++i) total += partial[i][r];
-        y[row] = io.accumulate ? y[row] + total : total;
+        total = io.accumulate ? y[row] + total : total;
+        y[row] = total;
+        if constexpr (kPick) best.merge(total, int32_t(row));
       },
       [&] {
         NIBBLE_TIMELINE_WAITED();
         XRows<1, kNorm> xr{x, k, 1, io.norm, {}};
         mxfp4_stage_x_normed(xr, k, io.eps, xs);
       });
+  if constexpr (kPick) {
+    __shared__ ArgmaxBest s_best[32];
+    greedy_pick_finish(best, pick, s_best);
+  }
 }
 
 }  // namespace nibble::kernels

@@ -164,14 +164,17 @@ void Model::replay_decode(KvCache& kv, int64_t bucket, bool pick, bool sample) {
   // their own. The draw's parameters are read from device memory, so one graph serves every
   // request's.
   const uint64_t key = (id_ << 48) ^ (kv.id() << 24) ^ uint64_t(bucket) ^ (pick ? uint64_t(sample ? 2 : 1) << 46 : 0);
+  const Step::Pick greedy{decode_token_.data<int32_t>(), decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>()};
+  if (pick && !sample) step.pick = &greedy;  // the head may pick (project_logits)
   record_or_replay(key, [&] {
+    step.picked = false;
     compute(step);
     if (!pick) return;
     if (sample) {
       pick_decode(true);
       backend_.advance_decode(decode_token_.data<int32_t>(), 1, decode_ids_.data<int32_t>(),
                               decode_positions_.data<int32_t>());
-    } else {
+    } else if (!step.picked) {
       backend_.argmax_advance_decode(decode_logits_.data(), 1, config_.vocab_size, decode_token_.data<int32_t>(),
                                      decode_ids_.data<int32_t>(), decode_positions_.data<int32_t>());
     }
@@ -431,6 +434,12 @@ int64_t Model::project_logits(const Step& s, const float* x, const WeightVector&
   const int64_t H = config_.hidden_size, vocab = config_.vocab_size;
   if (s.cache) {
     const int64_t first = s.all_logits ? 0 : s.n_tokens - 1;
+    if (s.pick && s.n_tokens - first == 1) {
+      backend_.rms_norm_linear_pick(x + first * H, norm, eps, lm_head, s.logits, s.pick->out, s.pick->ids,
+                                    s.pick->positions);
+      s.picked = true;
+      return 1;
+    }
     backend_.rms_norm_linear(x + first * H, norm, eps, lm_head, s.n_tokens - first, s.logits);
     return s.n_tokens - first;
   }

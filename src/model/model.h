@@ -46,6 +46,15 @@ struct Step {
   const int32_t* seq_rows = nullptr;  // [n_tokens], with pool
   int64_t n_single = 0;
   std::vector<StepSegment> segments = {};
+  // A greedy decode step's pick and next inputs (Model::replay_decode): project_logits may pick
+  // with the logits (Backend::rms_norm_linear_pick), and then sets picked.
+  struct Pick {
+    int32_t* out;
+    int32_t* ids;
+    int32_t* positions;
+  };
+  const Pick* pick = nullptr;
+  mutable bool picked = false;
 
   KvPages kv_layer(int64_t i) const { return cache ? cache->layer(i) : pool->layer(i, seq_rows); }
 };

@@ -16,6 +16,8 @@
 #include "gpu_compare.h"
 
 #if defined(NIBBLE_HAVE_CUDA)
+#include <cuda_runtime.h>
+
 #include "backend/cuda/launch.h"
 #endif
 
@@ -187,6 +189,75 @@ TEST_F(GptOssOpsTest, Mxfp4FusedFormsConcatAndPrepare) {
     }
     release_buffers();
   }
+}
+
+// A greedy decode step's MXFP4 head that picks the token itself (Backend::rms_norm_linear_pick; the
+// streamed head on sm_90+, forced on here, else the head then the argmax): the logits as
+// rms_norm_linear's, the pick the arg-max of those logits (two identical rows with the largest
+// bias: the lower index), the next step's id and position advanced; three calls in a row (the
+// blocks' counter left zeroed), a head too small to stream, and a shape that does not stream (rows
+// not a whole tile).
+TEST_F(GptOssOpsTest, HeadPicksTheToken) {
+#if defined(NIBBLE_HAVE_CUDA)
+  cuda::set_head_pick(1);
+#endif
+  const int64_t k = 2880;
+  const float eps = 1e-5f;
+  WeightVector norm_host = host_vector(random(k, 1.f)), norm_dev = gpu_->upload(norm_host);
+  for (const int64_t n : {int64_t(32768 + 16 * 37), int64_t(5120), int64_t(32776)}) {
+    LinearWeight host = random_mxfp4(n, k, true);
+    std::uniform_int_distribution<int64_t> at(0, n - 1);
+    int64_t a = at(rng_), b = at(rng_);
+    if (a == b) b = (a + 1) % n;
+    auto* codes = const_cast<uint8_t*>(host.mxfp4.codes);
+    auto* scales = const_cast<uint8_t*>(host.mxfp4.scales);
+    std::copy_n(codes + a * k / 2, k / 2, codes + b * k / 2);
+    std::copy_n(scales + a * k / 32, k / 32, scales + b * k / 32);
+    auto* bias = const_cast<float*>(host.bias);
+    bias[a] = bias[b] = 1000.f;
+    LinearWeight dev = gpu_->upload(host);
+    int32_t* d_out = nullptr;
+    int32_t* d_ids = nullptr;
+    int32_t* d_pos = nullptr;
+    for (auto* p : {&d_out, &d_ids, &d_pos}) {
+      buffers_.emplace_back(*gpu_, 4);
+      *p = buffers_.back().data<int32_t>();
+    }
+    int32_t position = 77;
+    gpu_->copy_to_backend(d_pos, &position, 4);
+    for (int call = 0; call < 3; ++call) {
+      const auto x = random(k, 3.f);
+      std::vector<float> want(static_cast<size_t>(n));
+      cpu_->rms_norm_linear(x.data(), norm_host, eps, host, 1, want.data());
+      float* logits = poisoned_gpu(n);
+#if defined(NIBBLE_HAVE_CUDA)
+      const int64_t picks_before = cuda::head_picks();
+#endif
+      gpu_->rms_norm_linear_pick(on_gpu(x), norm_dev, eps, dev, logits, d_out, d_ids, d_pos);
+#if defined(NIBBLE_HAVE_CUDA)
+      int major = 0;
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+      EXPECT_EQ(cuda::head_picks() - picks_before, major >= 9 && n % 16 == 0 && n / 16 >= 2048 ? 1 : 0)
+          << "n=" << n << ": the streamed head picks where it takes the shape";
+#endif
+      const std::vector<float> got = to_host(logits, n);
+      const std::string what = fmt::format("head n={} call {}", n, call);
+      expect_close(got, want, what, kF16Tolerance);
+      const auto best = int32_t(std::max_element(got.begin(), got.end()) - got.begin());
+      EXPECT_EQ(best, int32_t(std::min(a, b))) << what << ": the tie goes to the lower index";
+      int32_t out = -1, id = -1, pos = -1;
+      gpu_->copy_to_host(&out, d_out, 4);
+      gpu_->copy_to_host(&id, d_ids, 4);
+      gpu_->copy_to_host(&pos, d_pos, 4);
+      EXPECT_EQ(out, best) << what;
+      EXPECT_EQ(id, best) << what;
+      EXPECT_EQ(pos, 78 + call) << what;
+    }
+    release_buffers();
+  }
+#if defined(NIBBLE_HAVE_CUDA)
+  cuda::set_head_pick(-1);
+#endif
 }
 
 TEST_F(GptOssOpsTest, AttentionSinksAndWindows) {

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -115,8 +116,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemset(route_counter_.data(), 0, sizeof(unsigned)));
     attention_counters_ = Buffer(*this, cuda::kAttentionMaxPairs * sizeof(unsigned));
     CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, cuda::kAttentionMaxPairs * sizeof(unsigned)));
-    argmax_counters_ = Buffer(*this, cuda::kArgmaxMaxRows * sizeof(unsigned));
-    CUDA_CHECK(cudaMemset(argmax_counters_.data(), 0, cuda::kArgmaxMaxRows * sizeof(unsigned)));
+    argmax_counters_ = Buffer(*this, (cuda::kArgmaxMaxRows + 1) * sizeof(unsigned));  // + the head's pick
+    CUDA_CHECK(cudaMemset(argmax_counters_.data(), 0, (cuda::kArgmaxMaxRows + 1) * sizeof(unsigned)));
     post_seq_ = Buffer(*this, sizeof(unsigned));
     CUDA_CHECK(cudaMemset(post_seq_.data(), 0, sizeof(unsigned)));
     CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&post_ring_), cuda::kDecodePostRing * 8, cudaHostAllocMapped));
@@ -456,6 +457,33 @@ class CudaBackend final : public Backend {
       return Backend::rms_norm_linear(x, norm, eps, w, m, out);
     OpProfiler::Scope scope(profiler_, w.n > 100000 ? "lm_head" : "norm+linear");
     gemv(w, x, m, out, {norm.data, eps, false});
+  }
+
+  // An MXFP4 head that the streamed kernel takes may pick the token itself (cuda::gemv_mxfp4_pick):
+  // one launch less a greedy decode step. Taken where it measured faster and only there (H100,
+  // BENCHMARKS.md): when the head follows the folded router's sums' clear (gpt-oss-20b all-MXFP4,
+  // whose expert kernels route from the sums: tg128 +2.2%), not when it follows MoE down straight
+  // away (120b, routing launch: −2.6 to −3.4%, not understood yet). cuda::head_pick_mode.
+  void rms_norm_linear_pick(const float* x, const WeightVector& norm, float eps, const LinearWeight& w, float* logits,
+                            int32_t* out, int32_t* ids, int32_t* positions) override {
+    const int mode = cuda::head_pick_mode();
+    const bool take = mode < 0 ? router_clear_ != nullptr : mode == 1;
+    if (take && w.format == WeightFormat::kMxfp4 && gemv_layout(w)) {
+      cuda::GemvIo io{norm.data, eps, false};
+      if (router_clear_) io.clear = router_clear_, io.clear_count = router_clear_count_;
+      OpProfiler::Scope scope(profiler_, "lm_head");
+      Buffer scratch(*this, size_t(cuda::gemv_mxfp4_pick_scratch_bytes()));
+      cuda::GreedyPickArgs pick;
+      pick.scratch = scratch.data(), pick.counter = argmax_counters() + cuda::kArgmaxMaxRows;
+      pick.out = out, pick.next_ids = ids, pick.positions = positions, pick.post = decode_post(out, 1);
+      if (cuda::gemv_mxfp4_pick(w.mxfp4.codes, w.mxfp4.scales, w.bias, x, logits, w.n, w.k, io, pick)) {
+        if (io.clear) router_clear_ = nullptr;
+        CUDA_CHECK_LAUNCH("gemv_mxfp4_pick");
+        return;
+      }
+      undo_post(pick.post);
+    }
+    Backend::rms_norm_linear_pick(x, norm, eps, w, logits, out, ids, positions);
   }
 
   void linear_add(const LinearWeight& w, const float* a, int64_t m, float* x) override {

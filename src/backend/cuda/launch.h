@@ -242,6 +242,29 @@ struct DecodePostArgs {
   unsigned* seq = nullptr;               // device memory
   unsigned long long* ring = nullptr;    // kDecodePostRing entries of mapped pinned host memory
 };
+// A greedy decode step's head that also picks the token (gemv_mxfp4_pick): the pick to out[0],
+// the next step's id and position advanced, the pick posted; scratch: gemv_mxfp4_pick_scratch_bytes()
+// of device memory, counter: a zeroed counter (left zeroed).
+constexpr int64_t kGreedyPickMaxBlocks = 4096;
+struct GreedyPickArgs {
+  void* scratch = nullptr;
+  unsigned* counter = nullptr;
+  int32_t* out = nullptr;
+  int32_t* next_ids = nullptr;
+  int32_t* positions = nullptr;
+  DecodePostArgs post;
+};
+int64_t gemv_mxfp4_pick_scratch_bytes();
+// Whether a backend's greedy head picks the token (Backend::rms_norm_linear_pick): 1 always, 0
+// never, -1 where it measured faster (NIBBLE_HEAD_PICK=1 / 0 at start; set_head_pick for tests).
+// head_picks(): how many picking heads were launched (tests).
+void set_head_pick(int mode);
+int head_pick_mode();
+int64_t head_picks();
+// y[1, n] = norm?(x) · Wᵀ (+ b) through the streamed MXFP4 head, picking the token as it goes;
+// false, having launched nothing, where the streamed head does not take the shape.
+bool gemv_mxfp4_pick(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,
+                     int64_t n, int64_t k, const GemvIo& io, const GreedyPickArgs& pick);
 int64_t argmax_scratch_bytes(int64_t rows);
 bool argmax(const float* x, int64_t rows, int64_t n, int32_t* out, void* scratch, unsigned* counters = nullptr,
             int32_t* next_ids = nullptr, int32_t* positions = nullptr, DecodePostArgs post = {});

@@ -880,16 +880,26 @@ static int gemv_mxfp4_stream_stages(const uint8_t* codes, const uint8_t* scales,
   return std::max(0, mxfp4_stream_fit(k, kMxfp4HeadWarps, kernels::mxfp4_x_bytes(1, k), wanted));
 }
 
+// pick: a greedy decode step's pick as well (gemv_mxfp4_pick), its partials in pick->scratch.
 static void gemv_mxfp4_stream(const kernels::Mxfp4Weight& w, const float* bias, const float* x, float* y, int64_t n,
-                              int64_t k, const GemvIo& io, int stages) {
+                              int64_t k, const GemvIo& io, int stages, const GreedyPickArgs* pick = nullptr) {
   constexpr int W = kMxfp4HeadWarps, threads = 32 * (W + 1);
   const size_t smem = size_t(kernels::mxfp4_stream_smem(k, stages, W, kernels::mxfp4_x_bytes(1, k)));
-  dispatch_norm(io, [&](auto kNorm) {
-    const auto kernel = kernels::gemv_mxfp4_stream_kernel<W, kNorm.value>;
+  auto run = [&](auto kernel, kernels::GreedyPick p) {
     allow_smem(kernel, smem);
     const int64_t resident = int64_t(resident_blocks(kernel, threads, smem)) * int64_t(sm_count());
     launch_pdl_smem(kernel, unsigned(std::min<int64_t>(n / 16, resident)), threads, smem, w, bias, x, y, n, k,
-                    to_kernel(io), stages);
+                    to_kernel(io), stages, p);
+  };
+  dispatch_norm(io, [&](auto kNorm) {
+    if (!pick) return run(kernels::gemv_mxfp4_stream_kernel<W, kNorm.value>, kernels::GreedyPick{});
+    // Two blocks an SM, as the head without the pick (96 registers): the pick's code must not take
+    // it past a register quarter's 5 warps (kernels/moe_mxfp4_stream.cuh).
+    auto* part_val = static_cast<float*>(pick->scratch);  // [kGreedyPickMaxBlocks], then the indices
+    run(kernels::gemv_mxfp4_stream_kernel<W, kNorm.value, 2, true>,
+        kernels::GreedyPick{part_val, reinterpret_cast<int32_t*>(part_val + kGreedyPickMaxBlocks), pick->counter,
+                            pick->out, pick->next_ids, pick->positions,
+                            kernels::DecodePost{pick->post.seq, pick->post.ring}});
   });
 }
 
@@ -917,6 +927,32 @@ void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, 
       });
     });
   });
+}
+
+int64_t gemv_mxfp4_pick_scratch_bytes() { return 8 * kGreedyPickMaxBlocks; }
+
+static std::atomic<int>& head_pick_switch() {
+  static std::atomic<int> mode{[] {
+    const char* env = std::getenv("NIBBLE_HEAD_PICK");
+    if (!env) return -1;
+    return std::string_view(env) == "1" ? 1 : std::string_view(env) == "0" ? 0 : -1;
+  }()};
+  return mode;
+}
+void set_head_pick(int mode) { head_pick_switch().store(mode, std::memory_order_relaxed); }
+int head_pick_mode() { return head_pick_switch().load(std::memory_order_relaxed); }
+static std::atomic<int64_t> g_head_picks{0};
+int64_t head_picks() { return g_head_picks.load(std::memory_order_relaxed); }
+
+bool gemv_mxfp4_pick(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,
+                     int64_t n, int64_t k, const GemvIo& io, const GreedyPickArgs& pick) {
+  const int stages = gemv_mxfp4_stream_stages(codes, scales, 1, n, k, io);
+  if (stages <= 0 || io.accumulate || int64_t(sm_count()) * 4 > kGreedyPickMaxBlocks) return false;
+  if (io.clear)  // the streamed kernel has no clear of its own
+    cudaMemsetAsync(io.clear, 0, size_t(io.clear_count) * 8, cudaStreamPerThread);  // errors: the caller checks
+  gemv_mxfp4_stream(kernels::Mxfp4Weight{codes, scales}, bias, x, y, n, k, io, stages, &pick);
+  g_head_picks.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 bool gemv_mxfp4_router_fold(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y,

@@ -1,0 +1,90 @@
+// A greedy decode step's pick on the device: the (value, index) arg-max with the lowest index on
+// ties, and the post of the pick to the host. Shared by the argmax kernels (elementwise.cuh) and
+// the MXFP4 lm_head that picks as it goes (mxfp4_stream.cuh).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace nibble::kernels {
+
+struct ArgmaxBest {
+  float val = -INFINITY;
+  int32_t idx = INT32_MAX;
+  __device__ __forceinline__ void merge(float v, int32_t i) {
+    if (v > val || (v == val && i < idx)) val = v, idx = i;
+  }
+  __device__ __forceinline__ void warp_merge() {
+    for (int o = 16; o > 0; o >>= 1) merge(__shfl_xor_sync(0xffffffffu, val, o), __shfl_xor_sync(0xffffffffu, idx, o));
+  }
+};
+
+// A decode step's pick, written by the kernel that advances the next step's inputs straight into
+// pinned host memory mapped for the device: ring[seq mod kDecodePostRing] = (seq << 32) | pick,
+// then seq + 1 (a counter in device memory). The host knows each step's seq (it counts the posts it
+// queued), waits for the step's event and checks the tag. Why: the 4-byte copy to the host between
+// two steps' graphs held the next step back (tg128 against the copy: Qwen3-30B-A3B INT4 +0.5%,
+// gpt-oss-20b all-MXFP4 +0.1-0.4%, H100, BENCHMARKS.md). Null seq: no post.
+constexpr int kDecodePostRing = 64;
+
+struct DecodePost {
+  unsigned* seq;
+  unsigned long long* ring;
+};
+
+__device__ __forceinline__ void decode_post(const DecodePost& post, int32_t pick) {
+  if (!post.seq) return;
+  const unsigned s = *post.seq;
+  post.ring[s % kDecodePostRing] = (static_cast<unsigned long long>(s) << 32) | static_cast<uint32_t>(pick);
+  *post.seq = s + 1;
+}
+
+// What a kernel that picks the token writes, besides its logits: each block's best at
+// part_val / part_idx[blockIdx.x], counted on *counter; the last block merges them, writes the pick
+// to out[0], advances the next decode step's id and position (next_ids[0], positions[0] + 1), posts
+// it, and resets the counter.
+struct GreedyPick {
+  float* part_val;
+  int32_t* part_idx;
+  unsigned* counter;
+  int32_t* out;
+  int32_t* next_ids;
+  int32_t* positions;
+  DecodePost post;
+};
+
+// The block's end of a picking kernel: every thread of the block calls it with its own best (of
+// the rows it wrote); returns after the last block has written the pick. s_best: 32 entries of
+// shared memory.
+__device__ __forceinline__ void greedy_pick_finish(ArgmaxBest best, const GreedyPick& p, ArgmaxBest* s_best) {
+  __shared__ bool s_last;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = (blockDim.x + 31) / 32;
+  best.warp_merge();
+  if (lane == 0) s_best[warp] = best;
+  __syncthreads();
+  if (warp == 0) {
+    best = lane < warps ? s_best[lane] : ArgmaxBest{};
+    best.warp_merge();
+    if (lane == 0) {
+      p.part_val[blockIdx.x] = best.val;
+      p.part_idx[blockIdx.x] = best.idx;
+      __threadfence();  // the partial before the count: the last block reads it
+      s_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
+    }
+  }
+  __syncthreads();
+  if (!s_last || warp != 0) return;
+  __threadfence();  // the other blocks' partials, seen through their counts
+  best = ArgmaxBest{};
+  for (unsigned b = lane; b < gridDim.x; b += 32) best.merge(__ldcg(p.part_val + b), __ldcg(p.part_idx + b));
+  best.warp_merge();
+  if (lane == 0) {
+    const int32_t pick = best.idx == INT32_MAX ? 0 : best.idx;  // all NaN: index 0, as std::max_element
+    *p.out = pick;
+    *p.next_ids = pick, *p.positions += 1;
+    decode_post(p.post, pick);
+    *p.counter = 0;  // for the next launch (stream order: none runs beside this one)
+  }
+}
+
+}  // namespace nibble::kernels
