@@ -71,28 +71,27 @@ __global__ void embed_kernel(const void* __restrict__ table, const int32_t* __re
 // slices' (value, index) pairs.
 constexpr int kArgmaxSplits = 64;
 
-__global__ void argmax_partial_kernel(const float* __restrict__ x, int64_t n, float* __restrict__ part_val,
-                                      int32_t* __restrict__ part_idx) {
-  NIBBLE_TIMELINE_BLOCK(kArgmaxPartial);
-  pdl_enter();
-  NIBBLE_TIMELINE_WAITED();
-  __shared__ ArgmaxBest s_best[32];
+// This thread's best of slice blockIdx.y of row blockIdx.x (kArgmaxSplits slices a row).
+__device__ __forceinline__ ArgmaxBest argmax_slice_best(const float* __restrict__ x, int64_t n) {
   const int64_t slice = (n + kArgmaxSplits - 1) / kArgmaxSplits;
   const int64_t begin = blockIdx.y * slice, end = ::min(n, begin + slice);
   const float* row = x + int64_t(blockIdx.x) * n;
   ArgmaxBest best;
 #pragma unroll 8
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) best.merge(row[i], int32_t(i));
-  best.warp_merge();
-  if (threadIdx.x % 32 == 0) s_best[threadIdx.x / 32] = best;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    best = threadIdx.x < blockDim.x / 32 ? s_best[threadIdx.x] : ArgmaxBest{};
-    best.warp_merge();
-    if (threadIdx.x == 0) {
-      part_val[blockIdx.x * kArgmaxSplits + blockIdx.y] = best.val;
-      part_idx[blockIdx.x * kArgmaxSplits + blockIdx.y] = best.idx;
-    }
+  return best;
+}
+
+__global__ void argmax_partial_kernel(const float* __restrict__ x, int64_t n, float* __restrict__ part_val,
+                                      int32_t* __restrict__ part_idx) {
+  NIBBLE_TIMELINE_BLOCK(kArgmaxPartial);
+  pdl_enter();
+  NIBBLE_TIMELINE_WAITED();
+  __shared__ ArgmaxBest s_best[32];
+  const ArgmaxBest best = block_best(argmax_slice_best(x, n), s_best);
+  if (threadIdx.x == 0) {
+    part_val[blockIdx.x * kArgmaxSplits + blockIdx.y] = best.val;
+    part_idx[blockIdx.x * kArgmaxSplits + blockIdx.y] = best.idx;
   }
 }
 
@@ -123,42 +122,11 @@ __global__ void argmax_last_block_kernel(const float* __restrict__ x, int64_t n,
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();
   __shared__ ArgmaxBest s_best[32];
-  __shared__ bool s_last;
-  const int64_t slice = (n + kArgmaxSplits - 1) / kArgmaxSplits;
-  const int64_t begin = blockIdx.y * slice, end = ::min(n, begin + slice);
-  const float* row = x + int64_t(blockIdx.x) * n;
-  ArgmaxBest best;
-#pragma unroll 8
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) best.merge(row[i], int32_t(i));
-  best.warp_merge();
-  if (threadIdx.x % 32 == 0) s_best[threadIdx.x / 32] = best;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    best = threadIdx.x < blockDim.x / 32 ? s_best[threadIdx.x] : ArgmaxBest{};
-    best.warp_merge();
-    if (threadIdx.x == 0) {
-      part_val[blockIdx.x * kArgmaxSplits + blockIdx.y] = best.val;
-      part_idx[blockIdx.x * kArgmaxSplits + blockIdx.y] = best.idx;
-      __threadfence();  // the partial before the count: the last block reads it
-      s_last = atomicAdd(&counters[blockIdx.x], 1u) == kArgmaxSplits - 1;
-    }
-  }
-  __syncthreads();
-  if (!s_last || threadIdx.x >= 32) return;
-  __threadfence();  // the other blocks' partials, seen through their counts
-  best = ArgmaxBest{};
-  for (int s = threadIdx.x; s < kArgmaxSplits; s += 32)
-    best.merge(__ldcg(part_val + blockIdx.x * kArgmaxSplits + s), __ldcg(part_idx + blockIdx.x * kArgmaxSplits + s));
-  best.warp_merge();
-  if (threadIdx.x == 0) {
-    const int32_t pick = best.idx == INT32_MAX ? 0 : best.idx;  // all-NaN rows: index 0, as argmax_final
-    out[blockIdx.x] = pick;
-    if (next_ids) {
-      next_ids[blockIdx.x] = pick, positions[blockIdx.x] += 1;
-      if (gridDim.x == 1) decode_post(post, pick);
-    }
-    counters[blockIdx.x] = 0;  // for the next launch (stream order: none runs beside this one)
-  }
+  const unsigned r = blockIdx.x;
+  const GreedyPick p{part_val + r * kArgmaxSplits, part_idx + r * kArgmaxSplits, counters + r, out + r,
+                     next_ids ? next_ids + r : nullptr, next_ids ? positions + r : nullptr,
+                     gridDim.x == 1 ? post : DecodePost{}};  // a one-row step's pick is posted
+  greedy_pick_finish(argmax_slice_best(x, n), p, s_best, blockIdx.y, kArgmaxSplits);
 }
 
 // Backend::advance_decode: the next decode step's token ids and positions, one thread a row; with

@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) gemv_mxfp4_stream_ke
       });
   if constexpr (kPick) {
     __shared__ ArgmaxBest s_best[32];
-    greedy_pick_finish(best, pick, s_best);
+    greedy_pick_finish(best, pick, s_best, blockIdx.x, gridDim.x);
   }
 }
 

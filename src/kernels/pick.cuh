@@ -39,10 +39,10 @@ __device__ __forceinline__ void decode_post(const DecodePost& post, int32_t pick
   *post.seq = s + 1;
 }
 
-// What a kernel that picks the token writes, besides its logits: each block's best at
-// part_val / part_idx[blockIdx.x], counted on *counter; the last block merges them, writes the pick
-// to out[0], advances the next decode step's id and position (next_ids[0], positions[0] + 1), posts
-// it, and resets the counter.
+// What a kernel that picks a row's token writes: each of the row's blocks its best at part_val /
+// part_idx[slot], counted on *counter; the last merges them, writes the pick to *out, with next_ids
+// advances the next decode step's id and position (*next_ids, *positions + 1) and posts it (a null
+// post.seq: no post), and resets the counter.
 struct GreedyPick {
   float* part_val;
   int32_t* part_idx;
@@ -53,36 +53,46 @@ struct GreedyPick {
   DecodePost post;
 };
 
-// The block's end of a picking kernel: every thread of the block calls it with its own best (of
-// the rows it wrote); returns after the last block has written the pick. s_best: 32 entries of
-// shared memory.
-__device__ __forceinline__ void greedy_pick_finish(ArgmaxBest best, const GreedyPick& p, ArgmaxBest* s_best) {
-  __shared__ bool s_last;
+// The block's best of every thread's (called by every thread; s_best: 32 entries of shared
+// memory), in warp 0's lanes.
+__device__ __forceinline__ ArgmaxBest block_best(ArgmaxBest best, ArgmaxBest* s_best) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = (blockDim.x + 31) / 32;
   best.warp_merge();
   if (lane == 0) s_best[warp] = best;
   __syncthreads();
-  if (warp == 0) {
-    best = lane < warps ? s_best[lane] : ArgmaxBest{};
-    best.warp_merge();
-    if (lane == 0) {
-      p.part_val[blockIdx.x] = best.val;
-      p.part_idx[blockIdx.x] = best.idx;
-      __threadfence();  // the partial before the count: the last block reads it
-      s_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
-    }
+  best = warp == 0 && lane < warps ? s_best[lane] : ArgmaxBest{};
+  if (warp == 0) best.warp_merge();
+  return best;
+}
+
+// The block's end of a picking kernel, block `slot` of the `slots` that pick one row (p's pointers
+// at that row's): every thread of the block calls it with its own best (of the elements it saw);
+// returns after the last of the row's blocks has written the pick (and, with next_ids, advanced
+// and posted it). s_best: 32 entries of shared memory.
+__device__ __forceinline__ void greedy_pick_finish(ArgmaxBest best, const GreedyPick& p, ArgmaxBest* s_best,
+                                                   unsigned slot, unsigned slots) {
+  __shared__ bool s_last;
+  const int lane = threadIdx.x % 32;
+  best = block_best(best, s_best);
+  if (threadIdx.x == 0) {
+    p.part_val[slot] = best.val;
+    p.part_idx[slot] = best.idx;
+    __threadfence();  // the partial before the count: the last block reads it
+    s_last = atomicAdd(p.counter, 1u) == slots - 1;
   }
   __syncthreads();
-  if (!s_last || warp != 0) return;
+  if (!s_last || threadIdx.x >= 32) return;
   __threadfence();  // the other blocks' partials, seen through their counts
   best = ArgmaxBest{};
-  for (unsigned b = lane; b < gridDim.x; b += 32) best.merge(__ldcg(p.part_val + b), __ldcg(p.part_idx + b));
+  for (unsigned b = lane; b < slots; b += 32) best.merge(__ldcg(p.part_val + b), __ldcg(p.part_idx + b));
   best.warp_merge();
   if (lane == 0) {
     const int32_t pick = best.idx == INT32_MAX ? 0 : best.idx;  // all NaN: index 0, as std::max_element
     *p.out = pick;
-    *p.next_ids = pick, *p.positions += 1;
-    decode_post(p.post, pick);
+    if (p.next_ids) {
+      *p.next_ids = pick, *p.positions += 1;
+      decode_post(p.post, pick);
+    }
     *p.counter = 0;  // for the next launch (stream order: none runs beside this one)
   }
 }

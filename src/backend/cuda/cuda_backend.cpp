@@ -12,7 +12,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -264,7 +263,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaEventRecord(staging_events_[slot], cudaStreamPerThread));
   }
   // A one-int post of the pick the last queued advance wrote (Model::decode_enqueue's token) needs
-  // no copy: that advance's kernel wrote it to the mapped ring (kernels/elementwise.cuh
+  // no copy: that advance's kernel wrote it to the mapped ring (kernels/pick.cuh
   // decode_post) as post number posts_queued_ - 1, so the slot keeps that number and the event.
   // Other posts copy. NIBBLE_DECODE_POST_COPY=1: always copy, for A/B runs.
   void post_ints(int slot, const int32_t* src, int64_t n) override {
@@ -475,13 +474,13 @@ class CudaBackend final : public Backend {
       Buffer scratch(*this, size_t(cuda::gemv_mxfp4_pick_scratch_bytes()));
       cuda::GreedyPickArgs pick;
       pick.scratch = scratch.data(), pick.counter = argmax_counters() + cuda::kArgmaxMaxRows;
-      pick.out = out, pick.next_ids = ids, pick.positions = positions, pick.post = decode_post(out, 1);
+      pick.out = out, pick.next_ids = ids, pick.positions = positions, pick.post = decode_post(1);
       if (cuda::gemv_mxfp4_pick(w.mxfp4.codes, w.mxfp4.scales, w.bias, x, logits, w.n, w.k, io, pick)) {
+        count_post(out);
         if (io.clear) router_clear_ = nullptr;
         CUDA_CHECK_LAUNCH("gemv_mxfp4_pick");
         return;
       }
-      undo_post(pick.post);
     }
     Backend::rms_norm_linear_pick(x, norm, eps, w, logits, out, ids, positions);
   }
@@ -909,7 +908,8 @@ class CudaBackend final : public Backend {
 
   void advance_decode(const int32_t* picked, int64_t n, int32_t* ids, int32_t* positions) override {
     OpProfiler::Scope scope(profiler_, "advance_decode");
-    cuda::advance_decode(picked, n, ids, positions, decode_post(picked, n));
+    cuda::advance_decode(picked, n, ids, positions, decode_post(n));
+    if (n == 1) count_post(picked);
     CUDA_CHECK_LAUNCH("advance_decode");
   }
 
@@ -925,9 +925,9 @@ class CudaBackend final : public Backend {
     {
       OpProfiler::Scope scope(profiler_, "argmax");
       Buffer scratch(*this, size_t(cuda::argmax_scratch_bytes(rows)));
-      const cuda::DecodePostArgs post = decode_post(out, rows);
-      advanced = cuda::argmax(x, rows, n, out, scratch.data(), argmax_counters(), ids, positions, post);
-      if (!advanced) undo_post(post);  // advance_decode below posts it
+      advanced = cuda::argmax(x, rows, n, out, scratch.data(), argmax_counters(), ids, positions,
+                              decode_post(rows));
+      if (advanced && rows == 1) count_post(out);  // else advance_decode below posts it
       CUDA_CHECK_LAUNCH("argmax");
     }
     if (!advanced) advance_decode(out, rows, ids, positions);
@@ -1326,14 +1326,14 @@ class CudaBackend final : public Backend {
   // Decode posts (post_ints): the device's count of the picks it posted, the mapped ring, and the
   // host's count of the posts it queued (direct launches, and each replay of a graph by the posts
   // recorded in it), which the device's count matches in stream order.
-  cuda::DecodePostArgs decode_post(const int32_t* picked, int64_t rows) {
+  // Where a launch that advances a one-row step posts its pick; count_post once it is queued.
+  cuda::DecodePostArgs decode_post(int64_t rows) const {
     if (rows != 1) return {};
-    last_post_src_ = picked;
-    ++(capturing_ ? capture_posts_ : posts_queued_);
     return {post_seq_.data<unsigned>(), post_ring_device_};
   }
-  void undo_post(const cuda::DecodePostArgs& post) {
-    if (post.seq) --(capturing_ ? capture_posts_ : posts_queued_);
+  void count_post(const int32_t* picked) {
+    last_post_src_ = picked;
+    ++(capturing_ ? capture_posts_ : posts_queued_);
   }
   Buffer post_seq_;
   unsigned long long* post_ring_ = nullptr;         // host view, kDecodePostRing entries

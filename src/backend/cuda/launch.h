@@ -235,7 +235,7 @@ void add(const float* x, int64_t count, float* y);
 // block a row merges; with next_ids too, it also advances the next decode step's inputs as
 // advance_decode does, and returns true (false: the caller still runs advance_decode).
 // post (post_seq and post_ring non-null, one row): the pick also goes to the host's mapped ring
-// (kernels/elementwise.cuh decode_post).
+// (kernels/pick.cuh decode_post).
 constexpr int64_t kArgmaxMaxRows = 4096;
 constexpr int kDecodePostRing = 64;
 struct DecodePostArgs {

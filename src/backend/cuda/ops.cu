@@ -392,12 +392,15 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
 // Whether gemv_mxfp4_router_fold's callers take its routing launch: NIBBLE_FOLD_ROUTE_LAUNCH=1
 // always, =0 never (read once; set_fold_route_launch), otherwise where the experts are more than
 // one a lane of the routing warp.
+// A switch read once from the environment: "1" → 1, "0" → 0, unset or else → -1 (the default).
+static int env_switch(const char* name) {
+  const char* env = std::getenv(name);
+  if (!env) return -1;
+  return std::string_view(env) == "1" ? 1 : std::string_view(env) == "0" ? 0 : -1;
+}
+
 static std::atomic<int>& fold_route_launch_switch() {
-  static std::atomic<int> mode{[] {
-    const char* env = std::getenv("NIBBLE_FOLD_ROUTE_LAUNCH");
-    if (!env) return -1;
-    return std::string_view(env) == "1" ? 1 : std::string_view(env) == "0" ? 0 : -1;
-  }()};
+  static std::atomic<int> mode{env_switch("NIBBLE_FOLD_ROUTE_LAUNCH")};
   return mode;
 }
 void set_fold_route_launch(int mode) { fold_route_launch_switch().store(mode, std::memory_order_relaxed); }
@@ -932,11 +935,7 @@ void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, 
 int64_t gemv_mxfp4_pick_scratch_bytes() { return 8 * kGreedyPickMaxBlocks; }
 
 static std::atomic<int>& head_pick_switch() {
-  static std::atomic<int> mode{[] {
-    const char* env = std::getenv("NIBBLE_HEAD_PICK");
-    if (!env) return -1;
-    return std::string_view(env) == "1" ? 1 : std::string_view(env) == "0" ? 0 : -1;
-  }()};
+  static std::atomic<int> mode{env_switch("NIBBLE_HEAD_PICK")};
   return mode;
 }
 void set_head_pick(int mode) { head_pick_switch().store(mode, std::memory_order_relaxed); }
