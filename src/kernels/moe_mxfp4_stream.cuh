@@ -90,7 +90,6 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
     mxfp4_stage_x(XRows<kGemvMaxM, false>{x, hidden, int(slots / top_k), nullptr, {}}, hidden, xs);
   else if constexpr (kFold == kMxfp4FoldLaunch)
     copy_staged_rows(xg, 1, hidden, mxfp4_x_stride(hidden), xs);
-  NIBBLE_TIMELINE_MARK();
   constexpr bool kSums = kFold == kMxfp4FoldSums;
   __shared__ Mxfp4StreamRouting<kRoutePerLane> routing;
   __shared__ Mxfp4ExpertTable<kSums ? 32 * kRoutePerLane : 0> table;
@@ -98,6 +97,7 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
   const int warp = threadIdx.x / 32;
   if (kSums && warp == W) table.stage(gate_up, n_experts);
   pdl_wait();
+  NIBBLE_TIMELINE_WAITED();
   float factor = 1.f;
   if constexpr (kSums) {
     // The producer warp routes (it issues the first copies once the block's barrier passes) while
@@ -126,6 +126,7 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
     routing.load(g_ids, nullptr, logits, n_experts, false, slots / top_k, top_k);
     if constexpr (kFold == kMxfp4FoldLaunch) factor = *x_scale;
   }
+  NIBBLE_TIMELINE_MARK();  // thread 0's row copied (folded sums) or the routing read
   const int32_t* ids = routing.ids;
   mxfp4_stream<W, false, false, kPdlGateUp>(
       slots * tiles, 1, hidden, stages,
@@ -202,7 +203,8 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_down_strea
         }
         float* dst = out + tok * hidden + row;
         *dst = (accumulate ? *dst : 0.f) + total;
-      });
+      },
+      Mxfp4NoPrologue{}, [&] { NIBBLE_TIMELINE_WAITED(); });
 }
 
 }  // namespace nibble::kernels

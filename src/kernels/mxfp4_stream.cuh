@@ -125,10 +125,13 @@ struct Mxfp4NoPrologue {
 //                                         issued (kEarly), before any consumer reads a stage: what
 //                                         the block stages from its predecessor, e.g. a normalised x;
 //                                         it may synchronise the block)
+//   waited()                             (the consumers, as their wait returns without after_wait:
+//                                         the timeline's stamp, kernels/timeline.cuh)
 template <int W, bool kEarly, bool kGlobalX, int kSite = kPdlNoSite, typename Source, typename Input,
-          typename Epilogue, typename AfterWait = Mxfp4NoPrologue>
+          typename Epilogue, typename AfterWait = Mxfp4NoPrologue, typename Waited = Mxfp4NoPrologue>
 __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, int stages, Source&& source,
-                                             Input&& input, Epilogue&& epilogue, AfterWait&& after_wait = {}) {
+                                             Input&& input, Epilogue&& epilogue, AfterWait&& after_wait = {},
+                                             Waited&& waited = {}) {
   constexpr bool kPrologue = !std::is_same_v<std::decay_t<AfterWait>, Mxfp4NoPrologue>;
   uint8_t* ring = dynamic_smem();
   const int64_t stage_bytes = mxfp4_stream_stage_bytes(k), stride = mxfp4_stream_row_stride(k);
@@ -194,7 +197,10 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
     return;
   }
 
-  if constexpr (!kPrologue) pdl_enter_at<kSite>();
+  if constexpr (!kPrologue) {
+    pdl_enter_at<kSite>();
+    waited();
+  }
   const int g = lane / 4, t = lane % 4;
   int64_t j = 0, n = 0;
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x, ++n) {

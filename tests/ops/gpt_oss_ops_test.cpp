@@ -192,19 +192,21 @@ TEST_F(GptOssOpsTest, Mxfp4FusedFormsConcatAndPrepare) {
 }
 
 // A greedy decode step's MXFP4 head that picks the token itself (Backend::rms_norm_linear_pick; the
-// streamed head on sm_90+, forced on here, else the head then the argmax): the logits as
+// streamed head on sm_90+ by default, else or with the switch off the head then the argmax): the logits as
 // rms_norm_linear's, the pick the arg-max of those logits (two identical rows with the largest
 // bias: the lower index), the next step's id and position advanced; three calls in a row (the
 // blocks' counter left zeroed), a head too small to stream, and a shape that does not stream (rows
 // not a whole tile).
 TEST_F(GptOssOpsTest, HeadPicksTheToken) {
-#if defined(NIBBLE_HAVE_CUDA)
-  cuda::set_head_pick(1);
-#endif
   const int64_t k = 2880;
   const float eps = 1e-5f;
   WeightVector norm_host = host_vector(random(k, 1.f)), norm_dev = gpu_->upload(norm_host);
+  // The default (the streamed head picks), then NIBBLE_HEAD_PICK=0's mode (the argmax launch).
+  for (const int mode : {-1, 0})
   for (const int64_t n : {int64_t(32768 + 16 * 37), int64_t(5120), int64_t(32776)}) {
+#if defined(NIBBLE_HAVE_CUDA)
+    cuda::set_head_pick(mode);
+#endif
     LinearWeight host = random_mxfp4(n, k, true);
     std::uniform_int_distribution<int64_t> at(0, n - 1);
     int64_t a = at(rng_), b = at(rng_);
@@ -237,11 +239,11 @@ TEST_F(GptOssOpsTest, HeadPicksTheToken) {
 #if defined(NIBBLE_HAVE_CUDA)
       int major = 0;
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
-      EXPECT_EQ(cuda::head_picks() - picks_before, major >= 9 && n % 16 == 0 && n / 16 >= 2048 ? 1 : 0)
-          << "n=" << n << ": the streamed head picks where it takes the shape";
+      EXPECT_EQ(cuda::head_picks() - picks_before, mode != 0 && major >= 9 && n % 16 == 0 && n / 16 >= 2048 ? 1 : 0)
+          << "n=" << n << " mode " << mode << ": the streamed head picks where it takes the shape, unless turned off";
 #endif
       const std::vector<float> got = to_host(logits, n);
-      const std::string what = fmt::format("head n={} call {}", n, call);
+      const std::string what = fmt::format("head n={} mode {} call {}", n, mode, call);
       expect_close(got, want, what, kF16Tolerance);
       const auto best = int32_t(std::max_element(got.begin(), got.end()) - got.begin());
       EXPECT_EQ(best, int32_t(std::min(a, b))) << what << ": the tie goes to the lower index";

@@ -458,16 +458,13 @@ class CudaBackend final : public Backend {
     gemv(w, x, m, out, {norm.data, eps, false});
   }
 
-  // An MXFP4 head that the streamed kernel takes may pick the token itself (cuda::gemv_mxfp4_pick):
-  // one launch less a greedy decode step. Taken where it measured faster and only there (H100,
-  // BENCHMARKS.md): when the head follows the folded router's sums' clear (gpt-oss-20b all-MXFP4,
-  // whose expert kernels route from the sums: tg128 +2.2%), not when it follows MoE down straight
-  // away (120b, routing launch: −2.6 to −3.4%, not understood yet). cuda::head_pick_mode.
+  // An MXFP4 head that the streamed kernel takes picks the token itself (cuda::gemv_mxfp4_pick):
+  // one launch less a greedy decode step, ~2 µs (H100, CUPTI). In tg128 a tie for gpt-oss-20b and
+  // 120b all-MXFP4 (BENCHMARKS.md: an earlier day's +2.2% and −3% did not repeat).
+  // NIBBLE_HEAD_PICK=0 turns it off (cuda::head_pick_mode).
   void rms_norm_linear_pick(const float* x, const WeightVector& norm, float eps, const LinearWeight& w, float* logits,
                             int32_t* out, int32_t* ids, int32_t* positions) override {
-    const int mode = cuda::head_pick_mode();
-    const bool take = mode < 0 ? router_clear_ != nullptr : mode == 1;
-    if (take && w.format == WeightFormat::kMxfp4 && gemv_layout(w)) {
+    if (cuda::head_pick_mode() != 0 && w.format == WeightFormat::kMxfp4 && gemv_layout(w)) {
       cuda::GemvIo io{norm.data, eps, false};
       if (router_clear_) io.clear = router_clear_, io.clear_count = router_clear_count_;
       OpProfiler::Scope scope(profiler_, "lm_head");

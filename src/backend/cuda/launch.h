@@ -255,8 +255,8 @@ struct GreedyPickArgs {
   DecodePostArgs post;
 };
 int64_t gemv_mxfp4_pick_scratch_bytes();
-// Whether a backend's greedy head picks the token (Backend::rms_norm_linear_pick): 1 always, 0
-// never, -1 where it measured faster (NIBBLE_HEAD_PICK=1 / 0 at start; set_head_pick for tests).
+// Whether a backend's greedy head picks the token (Backend::rms_norm_linear_pick) where the streamed
+// MXFP4 head runs: 0 never, otherwise yes (NIBBLE_HEAD_PICK=0 at start; set_head_pick for tests).
 // head_picks(): how many picking heads were launched (tests).
 void set_head_pick(int mode);
 int head_pick_mode();
