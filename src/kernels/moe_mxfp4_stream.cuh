@@ -149,6 +149,9 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
         const float* bias = gate_up[ids[slot]].bias;
         if (bias) gate += bias[2 * j], up += bias[2 * j + 1];
         act[slot * inter + mxfp4_x_half(j)] = __float2half_rn(clamped_swiglu(gate, up, alpha, limit));
+      },
+      Mxfp4NoPrologue{}, [&](int event) {
+        if (event > 0) NIBBLE_TIMELINE_MARK_AT(event);  // its wait is stamped above
       });
 }
 
@@ -204,7 +207,12 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_down_strea
         float* dst = out + tok * hidden + row;
         *dst = (accumulate ? *dst : 0.f) + total;
       },
-      Mxfp4NoPrologue{}, [&] { NIBBLE_TIMELINE_WAITED(); });
+      Mxfp4NoPrologue{}, [&](int event) {
+        if (event == 0)
+          NIBBLE_TIMELINE_WAITED();
+        else
+          NIBBLE_TIMELINE_MARK_AT(event);
+      });
 }
 
 }  // namespace nibble::kernels

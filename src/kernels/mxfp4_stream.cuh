@@ -113,6 +113,10 @@ struct Mxfp4StreamInput {  // what a consumer multiplies a stage by
 struct Mxfp4NoPrologue {
   __device__ void operator()() const {}
 };
+// No timeline probe (mxfp4_stream's default `probe`).
+struct Mxfp4NoProbe {
+  __device__ void operator()(int) const {}
+};
 
 // The block's share of `items` (items blockIdx.x, + gridDim.x, ...), each `L` tiles through the
 // ring of `stages`. Warps 0..W-1 consume, warp W produces. Every thread of the block calls it
@@ -125,13 +129,15 @@ struct Mxfp4NoPrologue {
 //                                         issued (kEarly), before any consumer reads a stage: what
 //                                         the block stages from its predecessor, e.g. a normalised x;
 //                                         it may synchronise the block)
-//   waited()                             (the consumers, as their wait returns without after_wait:
-//                                         the timeline's stamp, kernels/timeline.cuh)
+//   probe(event)                         (the consumers, for the timeline (kernels/timeline.cuh;
+//                                         empty in normal builds): 0 as their wait returns without
+//                                         after_wait, 1 + j once tile j of the block has landed
+//                                         (j < 4), 8 once the block's products are done)
 template <int W, bool kEarly, bool kGlobalX, int kSite = kPdlNoSite, typename Source, typename Input,
-          typename Epilogue, typename AfterWait = Mxfp4NoPrologue, typename Waited = Mxfp4NoPrologue>
+          typename Epilogue, typename AfterWait = Mxfp4NoPrologue, typename Probe = Mxfp4NoProbe>
 __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, int stages, Source&& source,
                                              Input&& input, Epilogue&& epilogue, AfterWait&& after_wait = {},
-                                             Waited&& waited = {}) {
+                                             Probe&& probe = {}) {
   constexpr bool kPrologue = !std::is_same_v<std::decay_t<AfterWait>, Mxfp4NoPrologue>;
   uint8_t* ring = dynamic_smem();
   const int64_t stage_bytes = mxfp4_stream_stage_bytes(k), stride = mxfp4_stream_row_stride(k);
@@ -199,7 +205,7 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
 
   if constexpr (!kPrologue) {
     pdl_enter_at<kSite>();
-    waited();
+    probe(0);
   }
   const int g = lane / 4, t = lane % 4;
   int64_t j = 0, n = 0;
@@ -209,6 +215,7 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
       const int s = int(j % stages);
       const Mxfp4StreamInput in = input(it, l);
       mbarrier_wait(&full[s], uint32_t((j / stages) & 1));
+      if (j < 4) probe(int(1 + j));
       float a[2] = {0.f, 0.f};
       mxfp4_stage_dot<W, kGlobalX>(ring + s * stage_bytes, k, warp, in.x, a);
       __syncwarp();
@@ -229,6 +236,7 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
       epilogue(it, partial);
     }
   }
+  probe(8);
   pdl_trigger_at<kSite>(kPdlAfterProducts);
 }
 
