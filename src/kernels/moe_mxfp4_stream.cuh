@@ -4,7 +4,9 @@
 // tools/kernel-bench/moe_mxfp4_bench.cu) gate/up 24.6 -> ~20 µs, down 16.7 -> 13.7 against the
 // register kernels. What limits them now is the consumers' instruction issue (Nsight Compute: ~48%
 // issue-active, 40% of DRAM bandwidth), not the bytes in flight: 2 stages and 2-3 blocks an SM beat
-// 4-8 stages with fewer blocks.
+// 4-8 stages with fewer blocks. In the decode pipeline (the timeline's probe marks, BENCHMARKS.md
+// 2026-11-27) a gate/up block's first tile lands 7.2-7.6 µs after its wait, with the end of the
+// grid's burst, and its consumers then take ~3 µs a tile: the bursts and the decode do not overlap.
 #pragma once
 
 #include <cuda_fp16.h>
