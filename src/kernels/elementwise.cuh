@@ -100,12 +100,9 @@ __global__ void argmax_final_kernel(const float* __restrict__ part_val, const in
   NIBBLE_TIMELINE_BLOCK(kArgmaxFinal);
   pdl_enter();
   NIBBLE_TIMELINE_WAITED();
-  ArgmaxBest best;
-  for (int s = threadIdx.x; s < kArgmaxSplits; s += 32)
-    best.merge(part_val[blockIdx.x * kArgmaxSplits + s], part_idx[blockIdx.x * kArgmaxSplits + s]);
-  best.warp_merge();
-  // All-NaN rows: index 0, as std::max_element returns the first element.
-  if (threadIdx.x == 0) out[blockIdx.x] = best.idx == INT32_MAX ? 0 : best.idx;
+  const ArgmaxBest best =
+      warp_best_of(part_val + blockIdx.x * kArgmaxSplits, part_idx + blockIdx.x * kArgmaxSplits, kArgmaxSplits);
+  if (threadIdx.x == 0) out[blockIdx.x] = best_index(best);
 }
 
 // Greedy sampling in one launch: argmax_partial_kernel's slices, then the last slice block of a

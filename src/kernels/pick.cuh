@@ -19,6 +19,21 @@ struct ArgmaxBest {
   }
 };
 
+// The best of count partial (value, index) pairs, in every lane of the calling warp (every lane
+// calls it); read through L2 (ld.cg) when kL2, for partials other blocks wrote in this launch.
+template <bool kL2 = false>
+__device__ __forceinline__ ArgmaxBest warp_best_of(const float* part_val, const int32_t* part_idx, unsigned count) {
+  ArgmaxBest best;
+  for (unsigned b = threadIdx.x % 32; b < count; b += 32)
+    best.merge(kL2 ? __ldcg(part_val + b) : part_val[b], kL2 ? __ldcg(part_idx + b) : part_idx[b]);
+  best.warp_merge();
+  return best;
+}
+
+// The pick of a row's best: its index, or 0 for a row of NaNs (as std::max_element returns the
+// first element).
+__device__ __forceinline__ int32_t best_index(const ArgmaxBest& best) { return best.idx == INT32_MAX ? 0 : best.idx; }
+
 // A decode step's pick, written by the kernel that advances the next step's inputs straight into
 // pinned host memory mapped for the device: ring[seq mod kDecodePostRing] = (seq << 32) | pick,
 // then seq + 1 (a counter in device memory). The host knows each step's seq (it counts the posts it
@@ -83,11 +98,9 @@ __device__ __forceinline__ void greedy_pick_finish(ArgmaxBest best, const Greedy
   __syncthreads();
   if (!s_last || threadIdx.x >= 32) return;
   __threadfence();  // the other blocks' partials, seen through their counts
-  best = ArgmaxBest{};
-  for (unsigned b = lane; b < slots; b += 32) best.merge(__ldcg(p.part_val + b), __ldcg(p.part_idx + b));
-  best.warp_merge();
+  best = warp_best_of<true>(p.part_val, p.part_idx, slots);
   if (lane == 0) {
-    const int32_t pick = best.idx == INT32_MAX ? 0 : best.idx;  // all NaN: index 0, as std::max_element
+    const int32_t pick = best_index(best);
     *p.out = pick;
     if (p.next_ids) {
       *p.next_ids = pick, *p.positions += 1;

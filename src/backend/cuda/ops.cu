@@ -888,6 +888,8 @@ static void gemv_mxfp4_stream(const kernels::Mxfp4Weight& w, const float* bias, 
                               int64_t k, const GemvIo& io, int stages, const GreedyPickArgs* pick = nullptr) {
   constexpr int W = kMxfp4HeadWarps, threads = 32 * (W + 1);
   const size_t smem = size_t(kernels::mxfp4_stream_smem(k, stages, W, kernels::mxfp4_x_bytes(1, k)));
+  if (io.clear)  // the streamed kernel has no clear of its own
+    cudaMemsetAsync(io.clear, 0, size_t(io.clear_count) * 8, cudaStreamPerThread);  // errors: the caller checks
   auto run = [&](auto kernel, kernels::GreedyPick p) {
     allow_smem(kernel, smem);
     const int64_t resident = int64_t(resident_blocks(kernel, threads, smem)) * int64_t(sm_count());
@@ -909,11 +911,8 @@ static void gemv_mxfp4_stream(const kernels::Mxfp4Weight& w, const float* bias, 
 void gemv_mxfp4(const uint8_t* codes, const uint8_t* scales, const float* bias, const float* x, float* y, int64_t m,
                 int64_t n, int64_t k, const GemvIo& io) {
   const kernels::Mxfp4Weight w{codes, scales};
-  if (const int stages = gemv_mxfp4_stream_stages(codes, scales, m, n, k, io); stages > 0) {
-    if (io.clear)  // the streamed kernel has no clear of its own
-      cudaMemsetAsync(io.clear, 0, size_t(io.clear_count) * 8, cudaStreamPerThread);  // errors: the caller checks
+  if (const int stages = gemv_mxfp4_stream_stages(codes, scales, m, n, k, io); stages > 0)
     return gemv_mxfp4_stream(w, bias, x, y, n, k, io, stages);
-  }
   const size_t smem = size_t(kernels::mxfp4_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_mxfp4_split(k, n, [&](auto KS, auto NTB, auto B) {
@@ -947,8 +946,6 @@ bool gemv_mxfp4_pick(const uint8_t* codes, const uint8_t* scales, const float* b
                      int64_t n, int64_t k, const GemvIo& io, const GreedyPickArgs& pick) {
   const int stages = gemv_mxfp4_stream_stages(codes, scales, 1, n, k, io);
   if (stages <= 0 || io.accumulate || int64_t(sm_count()) * 4 > kGreedyPickMaxBlocks) return false;
-  if (io.clear)  // the streamed kernel has no clear of its own
-    cudaMemsetAsync(io.clear, 0, size_t(io.clear_count) * 8, cudaStreamPerThread);  // errors: the caller checks
   gemv_mxfp4_stream(kernels::Mxfp4Weight{codes, scales}, bias, x, y, n, k, io, stages, &pick);
   g_head_picks.fetch_add(1, std::memory_order_relaxed);
   return true;
