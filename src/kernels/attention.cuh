@@ -398,8 +398,6 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   // (o_column): in dim order a row's 32 lanes all hit one bank (32-way conflicts, the merge took
   // ~2.7 µs of attention's 8 at depth 0).
   __shared__ __align__(16) float s_o[kDecodeTcWarps][ROWS][HD + 4];
-  __shared__ float s_f[kDecodeTcWarps][ROWS];  // each warp's rescale factor in the merge
-  __shared__ float s_max[ROWS], s_sum[ROWS];
   const int64_t t = blockIdx.x / n_head_kv, kv = blockIdx.x % n_head_kv, split = blockIdx.y;
   const int group = int(n_head / n_head_kv);
   const int32_t* block_table = kv_token_table(tables, seq_rows, table_stride, t);
@@ -458,6 +456,11 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   // After the loop its loads overlap the merges instead (BENCHMARKS.md, H100: Qwen3-30B-A3B INT4
   // +1.8% at depth 0, +1.4% at 8192, +2.7% at 16384 with FP8 KV; after the merges was worse at
   // depth 0).
+  // The heads' sink logits read before the wait too: after the loop, where the merge needs them,
+  // a global read would queue behind the o GEMV's weights, released by then.
+  __shared__ float s_sink[ROWS];
+  if (tid < ROWS) s_sink[tid] = tid < group ? sink_logit(mods, kv * group + tid) : -kInf;
+  const int rows = ::min(group, ROWS);
   pdl_enter_at<kPdlAttention, kPdlAfterProducts>();
   NIBBLE_TIMELINE_WAITED();
   const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT));
@@ -628,34 +631,37 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
       s_o[warp][g + 8 * r][decode_tc_column(t4, nt, 1)] = o[nt][2 * r + 1];
     }
   }
+  NIBBLE_TIMELINE_MARK_AT(6);  // the warps' rows in shared memory
   __syncthreads();
-  if (tid < ROWS) {
+  NIBBLE_TIMELINE_MARK_AT(8);  // every warp's rows there
+  const bool only = n_active - first_split == 1;
+  // Warp w merges heads w, w + WARPS, ...: every lane weighs the warps' rows of the head itself
+  // (the same broadcast reads), so no second barrier and no pass of ROWS threads ahead of it,
+  // and a lane's HD / 32 columns (consecutive lanes, consecutive columns: no bank conflicts)
+  // are loaded together. The same terms in the same order as a pass per row, then per column.
+  for (int h = warp; h < rows; h += kDecodeTcWarps) {
     float mx = -kInf;
 #pragma unroll
-    for (int w = 0; w < kDecodeTcWarps; ++w) mx = fmaxf(mx, s_m[w][tid]);
-    float l = 0.f;
+    for (int w = 0; w < kDecodeTcWarps; ++w) mx = fmaxf(mx, s_m[w][h]);
+    float f[kDecodeTcWarps], l = 0.f;
 #pragma unroll
     for (int w = 0; w < kDecodeTcWarps; ++w) {
-      const float f = s_m[w][tid] != -kInf ? exp2f(s_m[w][tid] - mx) : 0.f;  // 0: a warp with no positions
-      l += s_l[w][tid] * f;
-      s_f[w][tid] = f;
+      f[w] = s_m[w][h] != -kInf ? exp2f(s_m[w][h] - mx) : 0.f;  // 0: a warp with no positions
+      l += s_l[w][h] * f[w];
     }
-    s_max[tid] = mx;
-    s_sum[tid] = l;
-  }
-  __syncthreads();
-  const int rows = ::min(group, ROWS);
-  for (int i = tid; i < rows * HD; i += kThreads) {  // consecutive threads, consecutive columns
-    const int h = i / HD, d = decode_tc_dim<HD>(i % HD);
-    const float mx = s_max[h];
-    float acc = 0.f;
+    float acc[HD / 32] = {};
 #pragma unroll
-    for (int w = 0; w < kDecodeTcWarps; ++w) acc += s_o[w][h][i % HD] * s_f[w][h];
+    for (int w = 0; w < kDecodeTcWarps; ++w)
+#pragma unroll
+      for (int j = 0; j < HD / 32; ++j) acc[j] += s_o[w][h][lane + 32 * j] * f[w];
     // The max in log2 units here, natural-log units in the partial.
-    decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, n_active - first_split == 1, d,
-                           acc, mx * 0.6931471805599453f, s_sum[h], sink_logit(mods, kv * group + h));
+#pragma unroll
+    for (int j = 0; j < HD / 32; ++j)
+      decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, only,
+                             decode_tc_dim<HD>(lane + 32 * j), acc[j], mx * 0.6931471805599453f, l, s_sink[h]);
   }
-  if (n_active - first_split == 1) return;
+  NIBBLE_TIMELINE_MARK_AT(7);  // the outputs stored
+  if (only) return;
   decode_merge_last_split<ROWS, HD, kThreads>(partial, out, counters, t, kv, group, n_head, n_splits, first_split,
                                               n_active, mods);
 }

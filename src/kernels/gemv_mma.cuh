@@ -262,11 +262,11 @@ struct MmaTile {
 // f16 in the decode mma order: row mi at xs + mi · xs_stride halves, unit (step, t) = 4 halves
 // (gemm_layout.h). Each thread issues kStageVec 16-byte loads (and the norm's) before it converts
 // any: one L2 round trip per kStageVec · blockDim · 4 inputs, not one per 4. With the norm, half
-// as many per round: the registers are shared with the weights already in flight. (XRows::load,
-// which normalises as it loads, measured 3% slower here: the loads must all issue first.)
-template <int M, bool kNorm>
+// as many per round: the registers are shared with the weights already in flight; a caller with
+// registers to spare takes more (kStageVec). (XRows::load, which normalises as it loads, measured
+// 3% slower here: the loads must all issue first.)
+template <int M, bool kNorm, int kStageVec = kNorm ? 2 : 4>
 __device__ __forceinline__ void mma_stage_x(const XRows<M, kNorm>& xr, int k, __half* xs, int xs_stride) {
-  constexpr int kStageVec = kNorm ? 2 : 4;
   const int per_row = k / 4, total = xr.m * per_row;
   for (int base = threadIdx.x; base < total; base += kStageVec * blockDim.x) {
     float4 v[kStageVec], nw[kStageVec];
@@ -360,7 +360,12 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
     for (int i = threadIdx.x; i < io.clear_count; i += blockDim.x) io.clear[i] = 0;
   XRows<kGemvMaxM, kNorm> xr{x, k, m, io.norm, {}};
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
-  mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
+  // The folded o projection's row (one token, 4096 wide over 128 threads for Qwen3) in one round
+  // of loads instead of two: +0.2% a decode step at depths 0 to 16384 (BENCHMARKS.md).
+  if constexpr (kFold)
+    mma_stage_x<kGemvMaxM, kNorm, 8>(xr, int(k), xs, int(mma_x_stride(k)));
+  else
+    mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
   __syncthreads();
   NIBBLE_TIMELINE_MARK();
   pdl_trigger_at<kSite, kWhere>(kPdlAfterInput);
@@ -411,11 +416,18 @@ __host__ __device__ constexpr int64_t moe_gate_up_smem_bytes(int64_t hidden, int
   return moe_gate_up_tables_offset(hidden) + 2 * n_experts * int64_t(sizeof(Int4Weight));
 }
 
+// Two warps along K (hidden 2048), a group of 128 or more: three blocks an SM, so that a Qwen3
+// step's 384 blocks are one wave (167 registers a thread; at 191, as a timeline build compiled
+// it, a third of them waited ~7 µs a layer for a second wave). Smaller groups hold more scales
+// (group 32 would spill 552 bytes a thread under the bound).
+template <int CPG, int KS>
+constexpr int kMoeGateUpMinBlocks = KS == 2 && CPG >= 4 ? 3 : 1;
+
 // kOnce: one token (m = 1), so each expert is read once (mma_weights_load). kFolded: routed from
 // a folded router's sums (racc); its own instantiation, so that the other routing's code stays out
 // of each (a larger kernel measured 7% slower a decode step: instruction fetch).
 template <int CPG, bool kNorm, int KS, bool kOnce, bool kFolded = false>
-__global__ void __launch_bounds__(64 * KS) moe_gate_up_int4_mma_kernel(
+__global__ void __launch_bounds__(64 * KS, kMoeGateUpMinBlocks<CPG, KS>) moe_gate_up_int4_mma_kernel(
     const Int4Weight* __restrict__ gate, const Int4Weight* __restrict__ up, int64_t n_experts,
     const int32_t* __restrict__ ids, const float* __restrict__ logits, const __half* __restrict__ xn,
     const float* __restrict__ x, __half* __restrict__ act, int64_t top_k,
