@@ -362,6 +362,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   // The folded o projection's row (one token, 4096 wide over 128 threads for Qwen3) in one round
   // of loads instead of two: +0.2% a decode step at depths 0 to 16384 (BENCHMARKS.md).
+  static_assert(!(kFold && kNorm), "the folded o projection stages an unnormalised row");
   if constexpr (kFold)
     mma_stage_x<kGemvMaxM, kNorm, 8>(xr, int(k), xs, int(mma_x_stride(k)));
   else
