@@ -488,9 +488,8 @@ __global__ void __launch_bounds__(64 * KS, kMoeGateUpMinBlocks<CPG, KS>) moe_gat
   __shared__ float s_scale;
   if constexpr (kFolded) {
     if (warp == 0) {
-      const float inv = router_acc_inv_rms(racc, n_experts);
-      const int32_t e = route_choice_sized_by([&](int64_t i) { return router_acc_logit(racc, i, inv); }, n_experts,
-                                              slot % top_k);
+      float inv;
+      const int32_t e = route_choice_folded(racc, n_experts, slot % top_k, &inv);
       if (lane == 0) s_expert = e, s_scale = inv * kRouterFoldRowInvScale;
     }
   } else if (logits && warp == 0) {
@@ -561,8 +560,13 @@ __device__ __forceinline__ int32_t moe_down_expert(const float* __restrict__ tok
     return e;
   };
   if constexpr (kFolded) {
-    const float inv = router_acc_inv_rms(racc, n_experts);
-    return route([&](int64_t e) { return router_acc_logit(racc, e, inv); });
+    float inv, logit, sum;
+    const int32_t e = route_choice_folded(racc, n_experts, s, &inv, &logit, s == 0 && !normalize ? &sum : nullptr);
+    if (threadIdx.x % 32 == 0) {
+      s_logit[s] = logit;
+      if (s == 0 && !normalize) *s_sum = sum;
+    }
+    return e;
   } else {
     if (!tok_logits) return ids[tok * top_k + s];
     return route([&](int64_t e) { return __ldcg(tok_logits + e); });
@@ -589,8 +593,28 @@ __device__ __forceinline__ float moe_down_combine(const float (&partial)[kMoeDow
   return prev + total;
 }
 
+// Registers a thread: capped at 168 for one token with groups of 128 or more on sm_90 (174
+// uncapped; 168 spills nothing there). An SM's registers are four quarters of 16 K, one a
+// scheduler, and a warp's must fit in one: this kernel's 8 warps put 2 in each. Beside one MoE
+// gate/up block (a warp of 168 a quarter) that leaves 11 K a quarter, which 2 warps of 174 (11.3 K)
+// overflow and 2 of 168 fit: capped, a down block becomes resident as the second of an SM's three
+// gate/up blocks leaves, not the third, and its weight loads (issued before its wait) start that
+// much earlier. Qwen3-30B-A3B INT4 tg128 +0.8% at depth 0, +0.9% at 8192, +1.4% at 16384 with FP8
+// KV (H100, BENCHMARKS.md); DecodeResidency.Int4MoeOneToken checks the fit. Elsewhere the cap
+// spills (smaller groups hold more scales; sm_80 and sm_120 allocate otherwise, and were not
+// measured), so the bound stays the block's 255.
+// (Any __maxnreg__, even 255, changes the other architectures' code: they go without.)
+template <int CPG, bool kOnce>
+constexpr int kMoeDownMaxRegisters = CPG >= 4 && kOnce ? 168 : 255;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define NIBBLE_MOE_DOWN_MAX_REGISTERS(CPG, kOnce) __maxnreg__((kMoeDownMaxRegisters<CPG, kOnce>))
+#else
+#define NIBBLE_MOE_DOWN_MAX_REGISTERS(CPG, kOnce)
+#endif
+
 template <int CPG, bool kOnce, bool kFolded = false>
-__global__ void __launch_bounds__(32 * kMoeDownSlots) moe_down_int4_mma_kernel(
+__global__ void __launch_bounds__(32 * kMoeDownSlots) NIBBLE_MOE_DOWN_MAX_REGISTERS(CPG, kOnce)
+    moe_down_int4_mma_kernel(
     const Int4Weight* __restrict__ down, const int32_t* __restrict__ ids, const float* __restrict__ weights,
     const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
     float* __restrict__ out, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate, int replicas,

@@ -53,20 +53,18 @@ __device__ __forceinline__ int32_t route_round(uint32_t (&key)[kMaxPerLane], int
 
 // Routes one token, by one warp: softmax over its logits (logit_of(e), e < n_experts), top_k
 // arg-max rounds, ids and weights [top_k] written by lanes 0..top_k-1.
-template <int kMaxPerLane = kMoeMaxExpertsPerLane, typename Logit>
-__device__ __forceinline__ void route_token_by(Logit&& logit_of, int64_t n_experts, int64_t top_k, bool normalize,
-                                               int32_t* __restrict__ ids, float* __restrict__ weights) {
+// route_token_by from this lane's logits, v[i] for expert lane + 32 i (i < per_lane; -inf past
+// n_experts).
+template <int kMaxPerLane>
+__device__ __forceinline__ void route_token_values(const float (&v)[kMaxPerLane], int64_t n_experts, int64_t top_k,
+                                                   bool normalize, int32_t* __restrict__ ids,
+                                                   float* __restrict__ weights) {
   const int lane = threadIdx.x % 32;
-  // Only the first `per_lane` slots hold experts (4 for 128 experts): the unrolled loops stop
-  // there, which keeps the 8 serial arg-max rounds short; v stays in registers.
   const int per_lane = int((n_experts + 31) / 32);
-  float v[kMaxPerLane];  // expert lane + 32 i
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) {
     if (i >= per_lane) break;
-    const int64_t e = lane + 32 * i;
-    v[i] = e < n_experts ? logit_of(e) : -INFINITY;
     mx = fmaxf(mx, v[i]);
   }
   // Renormalised over the top k, the softmax's full sum cancels and its maximum is the first
@@ -104,6 +102,23 @@ __device__ __forceinline__ void route_token_by(Logit&& logit_of, int64_t n_exper
   }
 }
 
+template <int kMaxPerLane = kMoeMaxExpertsPerLane, typename Logit>
+__device__ __forceinline__ void route_token_by(Logit&& logit_of, int64_t n_experts, int64_t top_k, bool normalize,
+                                               int32_t* __restrict__ ids, float* __restrict__ weights) {
+  const int lane = threadIdx.x % 32;
+  // Only the first `per_lane` slots hold experts (4 for 128 experts): the unrolled loops stop
+  // there, which keeps the 8 serial arg-max rounds short; v stays in registers.
+  const int per_lane = int((n_experts + 31) / 32);
+  float v[kMaxPerLane];  // expert lane + 32 i
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) {
+    if (i >= per_lane) break;
+    const int64_t e = lane + 32 * i;
+    v[i] = e < n_experts ? logit_of(e) : -INFINITY;
+  }
+  route_token_values(v, n_experts, top_k, normalize, ids, weights);
+}
+
 // This lane's arg-max keys from the logits: key[i] for expert lane + 32 i (0 past n_experts).
 template <int kMaxPerLane, typename Logit>
 __device__ __forceinline__ void route_keys_by(Logit&& logit_of, int64_t n_experts, uint32_t (&key)[kMaxPerLane]) {
@@ -115,6 +130,44 @@ __device__ __forceinline__ void route_keys_by(Logit&& logit_of, int64_t n_expert
     const int64_t e = lane + 32 * i;
     key[i] = e < n_experts ? route_key(logit_of(e)) : 0u;
   }
+}
+
+// route_keys_by from this lane's logits v[i] (expert lane + 32 i).
+template <int kMaxPerLane>
+__device__ __forceinline__ void route_keys_values(const float (&v)[kMaxPerLane], int64_t n_experts,
+                                                  uint32_t (&key)[kMaxPerLane]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) key[i] = lane + 32 * i < n_experts ? route_key(v[i]) : 0u;
+}
+
+// route_ids_by and route_choice_by from this lane's logits v[i] (expert lane + 32 i).
+template <int kMaxPerLane>
+__device__ __forceinline__ void route_ids_values(const float (&v)[kMaxPerLane], int64_t n_experts, int64_t top_k,
+                                                 int32_t* __restrict__ ids) {
+  const int lane = threadIdx.x % 32;
+  const int per_lane = int((n_experts + 31) / 32);
+  uint32_t key[kMaxPerLane];
+  route_keys_values(v, n_experts, key);
+  int32_t chosen = -1;
+  for (int64_t j = 0; j < top_k; ++j) {
+    uint32_t best;
+    const int32_t best_e = route_round(key, per_lane, &best);
+    if (lane == j) chosen = best_e;
+  }
+  if (lane < top_k) ids[lane] = chosen;
+}
+template <int kMaxPerLane>
+__device__ __forceinline__ int32_t route_choice_values(const float (&v)[kMaxPerLane], int64_t n_experts, int64_t s,
+                                                       float* logit = nullptr) {
+  const int per_lane = int((n_experts + 31) / 32);
+  uint32_t key[kMaxPerLane];
+  route_keys_values(v, n_experts, key);
+  int32_t e = 0;
+  uint32_t best;
+  for (int64_t j = 0; j <= s; ++j) e = route_round(key, per_lane, &best);
+  if (logit) *logit = route_logit(best);
+  return e;
 }
 
 // The top_k experts only (ids[j] the j-th choice, lanes < top_k), by one warp: route_token_by's
@@ -197,6 +250,17 @@ __device__ __forceinline__ float route_softmax_sum_by(Logit&& logit_of, int64_t 
   return sum;
 }
 
+template <int kMaxPerLane>
+__device__ __forceinline__ float route_softmax_sum_values(const float (&v)[kMaxPerLane], int64_t n_experts, float mx) {
+  const int lane = threadIdx.x % 32;
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i)
+    if (lane + 32 * i < n_experts) sum += expf(v[i] - mx);
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  return sum;
+}
+
 __device__ __forceinline__ float route_softmax_sum(const float* __restrict__ l, int64_t n_experts, float mx) {
   return route_softmax_sum_by([&](int64_t e) { return __ldcg(l + e); }, n_experts, mx);
 }
@@ -251,6 +315,38 @@ __device__ __forceinline__ float router_acc_logit(const RouterAcc& a, int64_t e,
   return router_acc_entry(a, e) * (1.f / kRouterAccLogitScale) * inv;
 }
 
+// This lane's logits from a folded router's sums (expert lane + 32 i in v[i], -inf past
+// n_experts; the bias, or null, added), the same arithmetic as router_acc_logit; returns 1 / rms.
+// Every load (the lane's sums, Σh², the bias) is issued before any is used: one L2 round trip,
+// where reading Σh² first, for the 1 / rms the logits are scaled by, made two on the expert
+// kernels' path from their wait to their first weight load (Qwen3-30B-A3B INT4 tg128 +1.1% at
+// depth 0, gpt-oss-20b +0.5%, and gpt-oss-120b's expert kernels routing for themselves 1.8%
+// ahead of its routing launch; H100, BENCHMARKS.md). Up to 4 experts a lane (128): more would hold
+// too many registers in the expert kernels (they take the two trips, route_token_folded).
+template <int kMaxPerLane>
+__device__ __forceinline__ float router_acc_lane_logits(const RouterAcc& a, const float* __restrict__ bias,
+                                                        int64_t n_experts, float (&v)[kMaxPerLane]) {
+  static_assert(kMaxPerLane <= 4);
+  const int lane = threadIdx.x % 32;
+  const unsigned long long* sums = a.sums + (blockIdx.x % a.replicas) * a.stride;
+  unsigned long long raw[kMaxPerLane];
+  float b[kMaxPerLane];
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) {
+    const int64_t e = lane + 32 * i;
+    raw[i] = e < n_experts ? __ldcg(sums + e) : 0ull;
+    b[i] = e < n_experts && bias ? __ldg(bias + e) : 0.f;
+  }
+  const float ss = float(static_cast<long long>(__ldcg(sums + n_experts))) * (1.f / kRouterAccSquareScale);
+  const float inv = rsqrtf(ss / float(a.hidden) + a.eps);
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) {
+    const float logit = float(static_cast<long long>(raw[i])) * (1.f / kRouterAccLogitScale) * inv;
+    v[i] = lane + 32 * i < n_experts ? (bias ? logit + b[i] : logit) : -INFINITY;
+  }
+  return inv;
+}
+
 // A token routed by one warp from a folded router's complete sums, as route_token: the logits
 // with the router's bias (or null) added, the softmax top k into ids and weights (lanes < top_k).
 // gpt-oss's MXFP4 expert kernels route this way (kernels/moe_mxfp4_stream.cuh). Returns 1 / rms.
@@ -259,13 +355,50 @@ template <int kMaxPerLane>
 __device__ __forceinline__ float route_token_folded(const RouterAcc& a, const float* __restrict__ bias,
                                                     int64_t n_experts, int64_t top_k, bool normalize,
                                                     int32_t* __restrict__ ids, float* __restrict__ weights) {
-  const float inv = router_acc_inv_rms(a, n_experts);
-  auto logit_of = [&](int64_t e) { return router_acc_logit(a, e, inv) + (bias ? __ldg(bias + e) : 0.f); };
-  if (weights)
-    route_token_by<kMaxPerLane>(logit_of, n_experts, top_k, normalize, ids, weights);
-  else
-    route_ids_by<kMaxPerLane>(logit_of, n_experts, top_k, ids);
-  return inv;
+  if constexpr (kMaxPerLane <= 4) {
+    float v[kMaxPerLane];
+    const float inv = router_acc_lane_logits(a, bias, n_experts, v);
+    if (weights)
+      route_token_values(v, n_experts, top_k, normalize, ids, weights);
+    else
+      route_ids_values(v, n_experts, top_k, ids);
+    return inv;
+  } else {
+    const float inv = router_acc_inv_rms(a, n_experts);
+    auto logit_of = [&](int64_t e) { return router_acc_logit(a, e, inv) + (bias ? __ldg(bias + e) : 0.f); };
+    if (weights)
+      route_token_by<kMaxPerLane>(logit_of, n_experts, top_k, normalize, ids, weights);
+    else
+      route_ids_by<kMaxPerLane>(logit_of, n_experts, top_k, ids);
+    return inv;
+  }
+}
+
+// The expert of choice s (route_choice_sized_by's rounds) from a folded router's sums in one L2
+// round trip (router_acc_lane_logits); *inv = 1 / rms; *logit (when given) the choice's logit,
+// *softmax_sum (when given) Σ exp(l - max) over all experts (the choice s = 0 holds the maximum).
+__device__ __forceinline__ int32_t route_choice_folded(const RouterAcc& a, int64_t n_experts, int64_t s, float* inv,
+                                                       float* logit = nullptr, float* softmax_sum = nullptr) {
+  auto pick = [&](auto& v) {
+    *inv = router_acc_lane_logits(a, nullptr, n_experts, v);
+    float l;
+    const int32_t e = route_choice_values(v, n_experts, s, &l);
+    if (logit) *logit = l;
+    if (softmax_sum) *softmax_sum = route_softmax_sum_values(v, n_experts, l);
+    return e;
+  };
+  if (n_experts <= 128) {
+    float v[4];
+    return pick(v);
+  }
+  // More experts: Σh² first, then the logits (router_acc_lane_logits' limit).
+  *inv = router_acc_inv_rms(a, n_experts);
+  auto logit_of = [&](int64_t e) { return router_acc_logit(a, e, *inv); };
+  float l;
+  const int32_t e = route_choice_by(logit_of, n_experts, s, &l);
+  if (logit) *logit = l;
+  if (softmax_sum) *softmax_sum = route_softmax_sum_by(logit_of, n_experts, l);
+  return e;
 }
 
 }  // namespace nibble::kernels

@@ -7,16 +7,17 @@
 //
 // Who routes from the sums:
 //   - Qwen3's INT4 expert kernels route for themselves (every gate/up and down block picks its
-//     slot's expert from the sums; route_choice_sized_by); the next INT4 GEMV zeroes the sums.
-//   - gpt-oss-20b's MXFP4 expert kernels (32 experts, one a lane) route for themselves too
+//     slot's expert from the sums; route_choice_folded); the next INT4 GEMV zeroes the sums.
+//   - gpt-oss's MXFP4 expert kernels (20b's 32 experts, 120b's 128) route for themselves too
 //     (kernels/moe_mxfp4_stream.cuh kMxfp4FoldSums: gate/up after its wait, down before its own,
 //     from two launches back); the next MXFP4 or INT4 GEMV zeroes the sums. Routing inside them
-//     once cost 4-7%: it took MoE down past the registers of two blocks an SM (ops.cu).
-//   - With more experts (120b's 128) a one-block routing launch follows o (moe_route_folded_kernel):
+//     once cost 4-7%: it took MoE down past the registers of two blocks an SM (ops.cu). Each
+//     reads the sums in one L2 trip (moe_route.cuh router_acc_lane_logits).
+//   - With more than 128 experts a one-block routing launch follows o (moe_route_folded_kernel):
 //     the biased logits, the softmax top-k (route_token), the experts' input scale 16 / rms, and the
 //     sums zeroed for the next step; the expert kernels read ids and weights. It measured 1-3%
-//     faster there than routing in the kernels; the o block that finishes last routing instead (a
-//     ticket) 1-2% slower.
+//     faster for 120b than routing in the kernels while they read the sums in two trips; the o
+//     block that finishes last routing instead (a ticket) 1-2% slower.
 #pragma once
 
 #include <cuda_fp16.h>

@@ -892,5 +892,33 @@ TEST_F(OpsTest, RouterFoldedIntoO) {
     }
 }
 
+// The one-token INT4 MoE decode kernels at Qwen3-30B-A3B's shapes (hidden 2048, groups of 128,
+// 128 experts) sit on an sm_90 SM (where they are tuned) as the decode step's overlap needs
+// (kernels/gemv_mma.cuh): gate/up in
+// one wave of three blocks an SM (384 blocks on 132 SMs), and a down block resident beside one
+// gate/up block: each of the four register quarters of an SM (16 K registers, one a scheduler;
+// a warp's registers rounded up to 256, all in one quarter) holds a gate/up warp and two down
+// warps. A change that adds registers to either kernel fails here rather than quietly costing a
+// second wave or a late down (BENCHMARKS.md).
+TEST(DecodeResidency, Int4MoeOneToken) {
+#if defined(NIBBLE_HAVE_CUDA)
+  const cuda::Int4MoeDecodeResidency r = cuda::int4_moe_decode_residency(2048, 128, 128);
+  if (r.compute_capability == 0) GTEST_SKIP() << "no CUDA device";
+  if (r.compute_capability != 90) GTEST_SKIP() << "tuned for sm_90; this device is sm_" << r.compute_capability;
+  ASSERT_GT(r.gate_up_registers, 0) << "gate/up's attributes";
+  ASSERT_GT(r.down_registers, 0) << "down's attributes";
+  EXPECT_GE(r.gate_up_blocks_per_sm, 3) << "gate/up: " << r.gate_up_registers << " registers a thread";
+  auto warp_registers = [](int registers) { return (registers * 32 + 255) / 256 * 256; };
+  const int gate_up_warps = r.gate_up_threads / 32 / 4, down_warps = r.down_threads / 32 / 4;  // a quarter
+  EXPECT_EQ(gate_up_warps, 1);
+  EXPECT_EQ(down_warps, 2);
+  EXPECT_LE(gate_up_warps * warp_registers(r.gate_up_registers) + down_warps * warp_registers(r.down_registers),
+            16384)
+      << "gate/up " << r.gate_up_registers << " and down " << r.down_registers << " registers a thread";
+#else
+  GTEST_SKIP() << "a CUDA build";
+#endif
+}
+
 }  // namespace
 }  // namespace nibble

@@ -552,7 +552,7 @@ class CudaBackend final : public Backend {
   // wait, down before its own); the next MXFP4 or INT4 GEMV zeroes the sums (router_clear_). The
   // router's launch leaves the layer's chain (gpt-oss-20b all-MXFP4 tg128 +1.2%, 120b +1.9% at
   // depth 0 with a one-block routing launch after o), and for 20b's 32 experts that routing
-  // launch too (+2.8%); 120b's 128 keep it (cuda::fold_route_launch; H100, BENCHMARKS.md). False,
+  // launch too (+2.8%; 120b's 128 +1.8%: cuda::fold_route_launch; H100, BENCHMARKS.md). False,
   // having launched nothing, where the shapes do not fit.
   bool mxfp4_fold(const LinearWeight& o, const float* a, const WeightVector& norm, float eps, const MoeWeights& w,
                   float* x) {

@@ -183,11 +183,23 @@ struct FoldedRouting {
 };
 // Whether the callers of gemv_mxfp4_router_fold take its routing launch (the expert kernels then
 // read ids and weights) or let the expert kernels route from the sums: the launch where the
-// experts are more than 32 (gpt-oss-120b's 128: its routing launch measured 1-2% faster, 20b's 32
-// route in the kernels 2.8% faster, BENCHMARKS.md). set_fold_route_launch(1) always, (0)
+// experts are more than 128 (more than their one-trip routing holds). 20b's 32 route in the
+// kernels 2.8% faster than the launch; 120b's 128 1.8% faster once the sums were read in one L2
+// trip (its launch had been 1-2% ahead, BENCHMARKS.md). set_fold_route_launch(1) always, (0)
 // never, (-1) by the experts (NIBBLE_FOLD_ROUTE_LAUNCH=1 / 0 at start; GptOssOpsTest runs both).
 void set_fold_route_launch(int mode);
 bool fold_route_launch(int64_t n_experts);
+// How moe_decode_int4's kernels for one token routed from a folded router's sums (Qwen3's decode)
+// sit on an SM at given shapes: registers a thread (cudaFuncGetAttributes) and gate/up's blocks an
+// SM (the occupancy API). The decode step's overlap rests on them (one wave of gate/up, down
+// resident beside one gate/up block on sm_90: kernels/gemv_mma.cuh), so
+// DecodeResidency.Int4MoeOneToken pins them. Zeros where a kernel's attributes cannot be read.
+struct Int4MoeDecodeResidency {
+  int compute_capability = 0;  // the device's, major · 10 + minor
+  int gate_up_threads = 0, gate_up_registers = 0, gate_up_blocks_per_sm = 0;
+  int down_threads = 0, down_registers = 0;
+};
+Int4MoeDecodeResidency int4_moe_decode_residency(int64_t hidden, int64_t group_size, int64_t n_experts);
 // y[1, n] += x · Wᵀ (+ b) for one token (a decode-layout MXFP4 o projection) with the 16-bit router
 // [n_experts, n] folded in, as gemv_int4_router_fold, then the routing launch (FoldedRouting)
 // unless routing.ids is null: gpt-oss's MXFP4 experts then read ids, weights and xg (y · norm / 16,

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "backend/cuda/int4_args.cuh"
+#include "backend/cuda/int4_layout.h"
 #include "backend/cuda/launch.h"
 #include "backend/cuda/launch_pdl.cuh"
 #include "backend/cuda/smem_optin.cuh"
@@ -391,7 +392,7 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
 
 // Whether gemv_mxfp4_router_fold's callers take its routing launch: NIBBLE_FOLD_ROUTE_LAUNCH=1
 // always, =0 never (read once; set_fold_route_launch), otherwise where the experts are more than
-// one a lane of the routing warp.
+// the expert kernels' one-trip routing holds (4 a lane of the routing warp: router_acc_lane_logits).
 // A switch read once from the environment: "1" → 1, "0" → 0, unset or else → -1 (the default).
 static int env_switch(const char* name) {
   const char* env = std::getenv(name);
@@ -406,7 +407,7 @@ static std::atomic<int>& fold_route_launch_switch() {
 void set_fold_route_launch(int mode) { fold_route_launch_switch().store(mode, std::memory_order_relaxed); }
 bool fold_route_launch(int64_t n_experts) {
   const int mode = fold_route_launch_switch().load(std::memory_order_relaxed);
-  return mode < 0 ? n_experts > 32 : mode == 1;
+  return mode < 0 ? n_experts > 128 : mode == 1;
 }
 
 static std::atomic<int64_t> g_router_fold_launches{0};
@@ -523,6 +524,32 @@ void moe_decode_int4(const Int4Device* gate, const Int4Device* up, const Int4Dev
     else
       down(std::false_type{});
   });
+}
+
+Int4MoeDecodeResidency int4_moe_decode_residency(int64_t hidden, int64_t group_size, int64_t n_experts) {
+  Int4MoeDecodeResidency r;
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess)
+    r.compute_capability = 10 * major + minor;
+  dispatch_cpg(int4_group_shift(hidden, group_size), [&](auto CPG) {
+    dispatch_mma_split(hidden, [&](auto KS, auto) {
+      const auto gate_up = kernels::moe_gate_up_int4_mma_kernel<CPG.value, true, KS.value, true, true>;
+      const auto down = kernels::moe_down_int4_mma_kernel<CPG.value, true, true>;
+      cudaFuncAttributes a{};
+      r.gate_up_threads = 64 * KS.value;
+      if (cudaFuncGetAttributes(&a, gate_up) == cudaSuccess) r.gate_up_registers = a.numRegs;
+      const size_t smem = size_t(kernels::moe_gate_up_smem_bytes(hidden, n_experts));
+      allow_smem(gate_up, smem);
+      int blocks = 0;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, gate_up, r.gate_up_threads, smem) == cudaSuccess)
+        r.gate_up_blocks_per_sm = blocks;
+      r.down_threads = 32 * kernels::kMoeDownSlots;
+      if (cudaFuncGetAttributes(&a, down) == cudaSuccess) r.down_registers = a.numRegs;
+    });
+  });
+  return r;
 }
 
 int64_t attention_partial_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim) {
