@@ -132,6 +132,31 @@ __device__ __forceinline__ void route_keys_by(Logit&& logit_of, int64_t n_expert
   }
 }
 
+// The rounds shared by the routing forms below, from this lane's keys (route_keys_by /
+// route_keys_values): the top_k experts into ids (ids[j] the j-th choice, lanes < top_k), or the
+// expert of choice s (s + 1 rounds; *logit its logit when given).
+template <int kMaxPerLane>
+__device__ __forceinline__ void route_ids_from_keys(uint32_t (&key)[kMaxPerLane], int per_lane, int64_t top_k,
+                                                    int32_t* __restrict__ ids) {
+  const int lane = threadIdx.x % 32;
+  int32_t chosen = -1;
+  for (int64_t j = 0; j < top_k; ++j) {
+    uint32_t best;
+    const int32_t best_e = route_round(key, per_lane, &best);
+    if (lane == j) chosen = best_e;
+  }
+  if (lane < top_k) ids[lane] = chosen;
+}
+template <int kMaxPerLane>
+__device__ __forceinline__ int32_t route_choice_from_keys(uint32_t (&key)[kMaxPerLane], int per_lane, int64_t s,
+                                                          float* logit) {
+  int32_t e = 0;
+  uint32_t best;
+  for (int64_t j = 0; j <= s; ++j) e = route_round(key, per_lane, &best);
+  if (logit) *logit = route_logit(best);
+  return e;
+}
+
 // route_keys_by from this lane's logits v[i] (expert lane + 32 i).
 template <int kMaxPerLane>
 __device__ __forceinline__ void route_keys_values(const float (&v)[kMaxPerLane], int64_t n_experts,
@@ -145,29 +170,16 @@ __device__ __forceinline__ void route_keys_values(const float (&v)[kMaxPerLane],
 template <int kMaxPerLane>
 __device__ __forceinline__ void route_ids_values(const float (&v)[kMaxPerLane], int64_t n_experts, int64_t top_k,
                                                  int32_t* __restrict__ ids) {
-  const int lane = threadIdx.x % 32;
-  const int per_lane = int((n_experts + 31) / 32);
   uint32_t key[kMaxPerLane];
   route_keys_values(v, n_experts, key);
-  int32_t chosen = -1;
-  for (int64_t j = 0; j < top_k; ++j) {
-    uint32_t best;
-    const int32_t best_e = route_round(key, per_lane, &best);
-    if (lane == j) chosen = best_e;
-  }
-  if (lane < top_k) ids[lane] = chosen;
+  route_ids_from_keys(key, int((n_experts + 31) / 32), top_k, ids);
 }
 template <int kMaxPerLane>
 __device__ __forceinline__ int32_t route_choice_values(const float (&v)[kMaxPerLane], int64_t n_experts, int64_t s,
                                                        float* logit = nullptr) {
-  const int per_lane = int((n_experts + 31) / 32);
   uint32_t key[kMaxPerLane];
   route_keys_values(v, n_experts, key);
-  int32_t e = 0;
-  uint32_t best;
-  for (int64_t j = 0; j <= s; ++j) e = route_round(key, per_lane, &best);
-  if (logit) *logit = route_logit(best);
-  return e;
+  return route_choice_from_keys(key, int((n_experts + 31) / 32), s, logit);
 }
 
 // The top_k experts only (ids[j] the j-th choice, lanes < top_k), by one warp: route_token_by's
@@ -175,17 +187,9 @@ __device__ __forceinline__ int32_t route_choice_values(const float (&v)[kMaxPerL
 template <int kMaxPerLane = kMoeMaxExpertsPerLane, typename Logit>
 __device__ __forceinline__ void route_ids_by(Logit&& logit_of, int64_t n_experts, int64_t top_k,
                                              int32_t* __restrict__ ids) {
-  const int lane = threadIdx.x % 32;
-  const int per_lane = int((n_experts + 31) / 32);
   uint32_t key[kMaxPerLane];
   route_keys_by(logit_of, n_experts, key);
-  int32_t chosen = -1;
-  for (int64_t j = 0; j < top_k; ++j) {
-    uint32_t best;
-    const int32_t best_e = route_round(key, per_lane, &best);
-    if (lane == j) chosen = best_e;
-  }
-  if (lane < top_k) ids[lane] = chosen;
+  route_ids_from_keys(key, int((n_experts + 31) / 32), top_k, ids);
 }
 
 // route_token_by from logits[n_experts], read through L2 (__ldcg): they were written by another
@@ -206,14 +210,9 @@ __device__ __forceinline__ void route_token(const float* __restrict__ l, int64_t
 template <int kMaxPerLane = kMoeMaxExpertsPerLane, typename Logit>
 __device__ __forceinline__ int32_t route_choice_by(Logit&& logit_of, int64_t n_experts, int64_t s,
                                                    float* logit = nullptr) {
-  const int per_lane = int((n_experts + 31) / 32);
   uint32_t key[kMaxPerLane];
   route_keys_by(logit_of, n_experts, key);
-  int32_t e = 0;
-  uint32_t best;
-  for (int64_t j = 0; j <= s; ++j) e = route_round(key, per_lane, &best);
-  if (logit) *logit = route_logit(best);
-  return e;
+  return route_choice_from_keys(key, int((n_experts + 31) / 32), s, logit);
 }
 
 template <int kMaxPerLane = kMoeMaxExpertsPerLane>
