@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/attention_prologue.h"
 #include "kernels/kv_access.cuh"
@@ -126,6 +127,35 @@ __device__ __forceinline__ void decode_store_split(float* __restrict__ out, floa
     p[4 + d] = value;
     if (d == 0) p[0] = max_ln, p[1] = sum;
   }
+}
+
+// decode_store_split for a lane's N consecutive elements d .. d + N - 1 (one 8- or 16-byte store;
+// with_sink's factor computed once for them).
+template <int HD, int N>
+__device__ __forceinline__ void decode_store_split_vec(float* __restrict__ out, float* __restrict__ partial,
+                                                       int64_t head, int64_t split, int64_t n_splits, bool only, int d,
+                                                       const float (&value)[N], float max_ln, float sum, float sink) {
+  static_assert(N == 2 || N == 4);
+  std::conditional_t<N == 2, float2, float4> v;
+  float* e = &v.x;
+  float* dst;
+  if (only) {
+    float factor = 1.f / sum;
+    if (sink != -__builtin_huge_valf()) {
+      const float m2 = fmaxf(max_ln, sink), a = expf(max_ln - m2);
+      factor = a / (sum * a + expf(sink - m2));
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) e[i] = value[i] * factor;
+    dst = out + head * HD + d;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) e[i] = value[i];
+    float* p = partial + (head * n_splits + split) * decode_partial_stride(HD);
+    if (d == 0) p[0] = max_ln, p[1] = sum;
+    dst = p + 4 + d;
+  }
+  *reinterpret_cast<decltype(v)*>(dst) = v;
 }
 
 // The merge of a (token, kv head)'s split partials, run by the last of its splits holding
@@ -355,15 +385,15 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
 // shared memory is WARPS x ROWS x HD floats).
 constexpr int kDecodeTcTile = 16, kDecodeTcRows = 16;
 
-// The merge's shared-memory column of output n-tile nt, half b (0, 1) of thread quad lane t4:
-// t4 + 4 (nt mod 8) + 32 (b + 2 (nt / 8)), a bijection onto 0 .. HD - 1 (HD / 8 n-tiles). With rows
-// HD + 4 floats apart (4 mod 32), one store (fixed nt and b) of rows g = lane / 4 lands on banks
-// 4g + t4 + const: all 32 distinct. decode_tc_dim inverts it (the dim a column holds).
-__device__ __forceinline__ int decode_tc_column(int t4, int nt, int b) { return t4 + 4 * (nt % 8) + 32 * (b + 2 * (nt / 8)); }
-template <int HD>
-__device__ __forceinline__ int decode_tc_dim(int c) {
-  const int t4 = c % 4, hi = c / 32, nt = c / 4 % 8 + 8 * (hi / 2), b = hi % 2;
-  return HD / 8 * (2 * t4 + b) + nt;
+// The warps' O rows for the merge: row-major in dim order, each 16-byte unit u of row `row` at
+// unit u ^ decode_tc_swizzle(row, u) (a permutation within each aligned 128-byte run). A thread
+// holds HD / 4 contiguous dims of its rows (dims HD / 4 · t4 ..: n-tiles nt of halves b = 0, 1),
+// stored as HD / 16 units; in one 16-byte store the 8 lanes of a phase (rows g, g + 1, quads
+// t4 0..3) then land on 8 distinct units of the banks, and a merge warp's reads of one row in dim
+// order (8 or 16 bytes a lane) are runs of 128 bytes: no conflicts either way.
+__device__ __forceinline__ int decode_tc_swizzle(int row, int unit) { return ((unit / 8) << 1 | (row & 1)) & 7; }
+__device__ __forceinline__ float* decode_tc_o_unit(float* row_base, int row, int unit) {
+  return row_base + 4 * (unit ^ decode_tc_swizzle(row, unit));
 }
 
 // The attention prologue (norm.cuh qk_norm_rope_kv_write_kernel) fused into the tensor-core decode
@@ -393,11 +423,11 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   constexpr int kDimsPerGroup = HD / 8;    // V dims per thread group g (= output n-tiles)
   constexpr int kVUnits = kDimsPerGroup / 8;
   constexpr float kInf = __builtin_huge_valf();
-  __shared__ float s_m[kDecodeTcWarps][ROWS], s_l[kDecodeTcWarps][ROWS];
-  // The warps' O rows for the merge, in a column order that spreads each store over the banks
-  // (o_column): in dim order a row's 32 lanes all hit one bank (32-way conflicts, the merge took
-  // ~2.7 µs of attention's 8 at depth 0).
-  __shared__ __align__(16) float s_o[kDecodeTcWarps][ROWS][HD + 4];
+  // The warps' (max, sum) per row, a row's warps contiguous (one 16-byte load per 4 warps), and
+  // their O rows (decode_tc_o_unit's layout). With scalar stores and loads the merge took ~1.2 µs
+  // of gpt-oss-120b's ~4.7 µs attention at depth 0 (in-kernel timeline, H100).
+  __shared__ __align__(16) float s_m[ROWS][kDecodeTcWarps], s_l[ROWS][kDecodeTcWarps];
+  __shared__ __align__(16) float s_o[kDecodeTcWarps][ROWS][HD];
   const int64_t t = blockIdx.x / n_head_kv, kv = blockIdx.x % n_head_kv, split = blockIdx.y;
   const int group = int(n_head / n_head_kv);
   const int32_t* block_table = kv_token_table(tables, seq_rows, table_stride, t);
@@ -623,42 +653,61 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   // Merge the warps: (max, sum) per row, O rows; row r of this thread is head g + 8r.
 #pragma unroll
   for (int r = 0; r < ROWS / 8; ++r) {
+    const int row = g + 8 * r;
     const float l = quad_sum(row_l[r]);
-    if (t4 == 0) s_m[warp][g + 8 * r] = row_m[r], s_l[warp][g + 8 * r] = l;
+    if (t4 == 0) s_m[row][warp] = row_m[r], s_l[row][warp] = l;
 #pragma unroll
-    for (int nt = 0; nt < kDimsPerGroup; ++nt) {  // dims HD / 8 · (2 t4 + b) + nt
-      s_o[warp][g + 8 * r][decode_tc_column(t4, nt, 0)] = o[nt][2 * r];
-      s_o[warp][g + 8 * r][decode_tc_column(t4, nt, 1)] = o[nt][2 * r + 1];
+    for (int c = 0; c < HD / 16; ++c) {  // dims HD / 4 · t4 + 4c + i: n-tile (4c + i) mod HD / 8 of half (4c + i) / (HD / 8)
+      float4 u;
+      float* e = &u.x;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) e[i] = o[(4 * c + i) % (HD / 8)][2 * r + (4 * c + i) / (HD / 8)];
+      *reinterpret_cast<float4*>(decode_tc_o_unit(s_o[warp][row], row, HD / 16 * t4 + c)) = u;
     }
   }
   NIBBLE_TIMELINE_MARK_AT(6);  // the warps' rows in shared memory
+  pdl_trigger_at<kPdlAttention, kPdlAfterProducts>(kPdlAfterInput);
   __syncthreads();
   NIBBLE_TIMELINE_MARK_AT(8);  // every warp's rows there
   const bool only = n_active - first_split == 1;
+  // The warps that had tiles: tiles tile_lo .. tile_lo + tiles - 1 of the split, tile i in warp
+  // i mod WARPS. At depth 0 most warps have none, and their rows are not read.
+  const int tile_lo = int((::max(begin, lo) - begin) / kDecodeTcTile);
+  const int tiles = int((end - 1 - begin) / kDecodeTcTile) - tile_lo + 1;
   // Warp w merges heads w, w + WARPS, ...: every lane weighs the warps' rows of the head itself
-  // (the same broadcast reads), so no second barrier and no pass of ROWS threads ahead of it,
-  // and a lane's HD / 32 columns (consecutive lanes, consecutive columns: no bank conflicts)
-  // are loaded together. The same terms in the same order as a pass per row, then per column.
+  // (the same broadcast reads), so no second barrier; a lane's HD / 32 dims are one load a warp
+  // and one store. The same terms in the same order as a pass per row, then per column.
+  constexpr int kPerLane = HD / 32;
+  using Vec = std::conditional_t<kPerLane == 2, float2, float4>;
   for (int h = warp; h < rows; h += kDecodeTcWarps) {
-    float mx = -kInf;
+    float m[kDecodeTcWarps], ls[kDecodeTcWarps];
 #pragma unroll
-    for (int w = 0; w < kDecodeTcWarps; ++w) mx = fmaxf(mx, s_m[w][h]);
-    float f[kDecodeTcWarps], l = 0.f;
+    for (int w = 0; w < kDecodeTcWarps; w += 4) {
+      *reinterpret_cast<float4*>(m + w) = *reinterpret_cast<const float4*>(&s_m[h][w]);
+      *reinterpret_cast<float4*>(ls + w) = *reinterpret_cast<const float4*>(&s_l[h][w]);
+    }
+    Vec part[kDecodeTcWarps];
 #pragma unroll
     for (int w = 0; w < kDecodeTcWarps; ++w) {
-      f[w] = s_m[w][h] != -kInf ? exp2f(s_m[w][h] - mx) : 0.f;  // 0: a warp with no positions
-      l += s_l[w][h] * f[w];
+      const bool had = tiles >= kDecodeTcWarps || (w - tile_lo % kDecodeTcWarps + kDecodeTcWarps) % kDecodeTcWarps < tiles;
+      part[w] = had ? *reinterpret_cast<const Vec*>(decode_tc_o_unit(s_o[w][h], h, kPerLane * lane / 4) + kPerLane * lane % 4)
+                    : Vec{};
     }
-    float acc[HD / 32] = {};
+    float mx = -kInf;
 #pragma unroll
-    for (int w = 0; w < kDecodeTcWarps; ++w)
+    for (int w = 0; w < kDecodeTcWarps; ++w) mx = fmaxf(mx, m[w]);
+    float acc[kPerLane] = {}, l = 0.f;
 #pragma unroll
-      for (int j = 0; j < HD / 32; ++j) acc[j] += s_o[w][h][lane + 32 * j] * f[w];
+    for (int w = 0; w < kDecodeTcWarps; ++w) {
+      const float f = m[w] != -kInf ? exp2f(m[w] - mx) : 0.f;  // 0: a warp with no positions
+      l += ls[w] * f;
+      const float* pv = &part[w].x;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) acc[j] += pv[j] * f;
+    }
     // The max in log2 units here, natural-log units in the partial.
-#pragma unroll
-    for (int j = 0; j < HD / 32; ++j)
-      decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, only,
-                             decode_tc_dim<HD>(lane + 32 * j), acc[j], mx * 0.6931471805599453f, l, s_sink[h]);
+    decode_store_split_vec<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, only, kPerLane * lane, acc,
+                               mx * 0.6931471805599453f, l, s_sink[h]);
   }
   NIBBLE_TIMELINE_MARK_AT(7);  // the outputs stored
   if (only) return;

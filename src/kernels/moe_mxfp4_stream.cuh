@@ -78,13 +78,14 @@ enum Mxfp4MoeFold : int {
 };
 
 // kFold: Mxfp4MoeFold. With kMxfp4FoldSums, kRoutePerLane sizes the routing (experts a lane) and
-// racc / router_bias are the folded router's sums and bias.
-template <int W, int kMinBlocks = 1, int kRoutePerLane = 0, int kFold = kMxfp4NoFold>
+// racc / router_bias are the folded router's sums and bias. kClaim: the blocks claim items past
+// their first (mxfp4_stream's kClaim) from claim[0..1], 0 before the launch and after it.
+template <int W, int kMinBlocks = 1, int kRoutePerLane = 0, int kFold = kMxfp4NoFold, bool kClaim = false>
 __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_stream_kernel(
     const Mxfp4Device* __restrict__ gate_up, const int32_t* __restrict__ g_ids, const float* __restrict__ logits,
     int64_t n_experts, const float* __restrict__ x, const __half* __restrict__ xg, const float* __restrict__ x_scale,
     __half* __restrict__ act, int64_t slots, int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit,
-    int stages, RouterAcc racc, const float* __restrict__ router_bias) {
+    int stages, RouterAcc racc, const float* __restrict__ router_bias, unsigned* __restrict__ claim) {
   NIBBLE_TIMELINE_BLOCK(kMoeGateUp);
   const int64_t tiles = 2 * inter / 16;
   __half* xs = reinterpret_cast<__half*>(dynamic_smem() + mxfp4_stream_extra_offset(hidden, stages, W));
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
   }
   NIBBLE_TIMELINE_MARK();  // thread 0's row copied (folded sums) or the routing read
   const int32_t* ids = routing.ids;
-  mxfp4_stream<W, false, false, kPdlGateUp>(
+  mxfp4_stream<W, false, false, kPdlGateUp, kClaim>(
       slots * tiles, 1, hidden, stages,
       [&](int64_t it, int) {
         const Mxfp4Device d = kSums ? table.e[ids[it / tiles]] : gate_up[ids[it / tiles]];
@@ -152,9 +153,11 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
         if (bias) gate += bias[2 * j], up += bias[2 * j + 1];
         act[slot * inter + mxfp4_x_half(j)] = __float2half_rn(clamped_swiglu(gate, up, alpha, limit));
       },
-      Mxfp4NoPrologue{}, [&](int event) {
+      Mxfp4NoPrologue{},
+      [&](int event) {
         if (event > 0) NIBBLE_TIMELINE_MARK_AT(event);  // its wait is stamped above
-      });
+      },
+      claim);
 }
 
 // Down: items are (token, 16-row tile of hidden), each the token's top_k slots in turn. The

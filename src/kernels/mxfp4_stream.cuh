@@ -15,7 +15,9 @@
 // copy of the tile's 16 scale rows. The consumer warps split the tile's groups of 128 k; their
 // partial sums meet in shared memory, summed by whichever warp finishes the tile last.
 //
-// Work: items (one output tile each) go to blocks round-robin; an item is L tiles in sequence
+// Work: items (one output tile each) go to blocks round-robin, or (kClaim) a block's first
+// ceil(stages / L) so and the rest to whichever block's producer claims them first from a counter
+// in global memory; an item is L tiles in sequence
 // (MoE gate/up and the lm_head: 1; MoE down: top_k, one per slot, weighted and summed in
 // registers). Needs n % 16 == 0 and 16-byte aligned codes and scales (the launchers check; the
 // register kernels take the rest). Batch 1 only: every B column is the token's row.
@@ -40,7 +42,8 @@ __host__ __device__ constexpr int64_t mxfp4_stream_stage_bytes(int64_t k) {
   return 16 * mxfp4_stream_row_stride(k) + 16 * mxfp4_scale_stride(k);
 }
 // Dynamic shared memory: the ring, its two barriers a stage, the consumers' partial sums of
-// stages + 2 items (W × 16 floats and a counter each), then `extra` bytes (16-aligned).
+// stages + 2 items (W × 16 floats and 16 bytes each: a counter, and for the first `stages` the
+// item in that stage when items are claimed), then `extra` bytes (16-aligned).
 __host__ __device__ constexpr int64_t mxfp4_stream_extra_offset(int64_t k, int stages, int warps) {
   return stages * (mxfp4_stream_stage_bytes(k) + 16) + (stages + 2) * (64 * warps + 16);
 }
@@ -133,12 +136,18 @@ struct Mxfp4NoProbe {
 //                                         empty in normal builds): 0 as their wait returns without
 //                                         after_wait, 1 + j once tile j of the block has landed
 //                                         (j < 4), 8 once the block's products are done)
-template <int W, bool kEarly, bool kGlobalX, int kSite = kPdlNoSite, typename Source, typename Input,
-          typename Epilogue, typename AfterWait = Mxfp4NoPrologue, typename Probe = Mxfp4NoProbe>
+// kClaim (without kEarly or after_wait): items past the static ones are claimed from claim[0];
+// claim[1] counts the blocks done claiming, and the last of them sets both back to 0 for the next
+// launch (so they must be 0 before the first). Why: with a static share, blocks of 4 tiles and of
+// 3 (gpt-oss's gate/up: 1440 tiles over 396 blocks) and the memory system's uneven service left
+// the grid's last block ending ~6 µs after its median one (in-kernel timeline, H100).
+template <int W, bool kEarly, bool kGlobalX, int kSite = kPdlNoSite, bool kClaim = false, typename Source,
+          typename Input, typename Epilogue, typename AfterWait = Mxfp4NoPrologue, typename Probe = Mxfp4NoProbe>
 __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, int stages, Source&& source,
                                              Input&& input, Epilogue&& epilogue, AfterWait&& after_wait = {},
-                                             Probe&& probe = {}) {
+                                             Probe&& probe = {}, unsigned* claim = nullptr) {
   constexpr bool kPrologue = !std::is_same_v<std::decay_t<AfterWait>, Mxfp4NoPrologue>;
+  static_assert(!kClaim || (!kEarly && !kPrologue), "claimed items: the producer starts after the wait");
   uint8_t* ring = dynamic_smem();
   const int64_t stage_bytes = mxfp4_stream_stage_bytes(k), stride = mxfp4_stream_row_stride(k);
   const int64_t scale_bytes = 16 * mxfp4_scale_stride(k);
@@ -146,6 +155,7 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
   uint64_t* empty = full + stages;
   auto* sums = reinterpret_cast<float(*)[W][16]>(empty + stages);
   auto* counts = reinterpret_cast<uint32_t*>(sums + stages + 2);
+  int32_t* stage_item = reinterpret_cast<int32_t*>(counts) + 1;  // [4 s]: stage s's item (kClaim), -1: none left
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], W);
@@ -191,6 +201,34 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
   } else if (warp == W) {  // producer
     const uint64_t policy = l2_evict_first_policy();
     if (!kEarly) pdl_enter_at<kSite>();
+    if constexpr (kClaim) {
+      // Each claim is issued as the previous item's copies go out, so its round trip overlaps the
+      // wait for a free stage. The item goes into the stage's slot before the copies' arrive,
+      // which the consumers' wait on the stage acquires.
+      const int64_t first = (stages + L - 1) / L;
+      int64_t item = blockIdx.x, j = 0;
+      for (int64_t n = 0; item < items; ++n) {
+        unsigned ticket = 0;
+        if (n + 1 >= first && lane == 0) ticket = atomicAdd(claim, 1u);
+        for (int l = 0; l < L; ++l, ++j) {
+          const int s = int(j % stages);
+          if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
+          if (lane == 0) stage_item[4 * s] = int32_t(item);
+          copy_tile(s, source(item, l), policy);
+        }
+        item = n + 1 < first ? blockIdx.x + (n + 1) * gridDim.x
+                             : first * gridDim.x + int64_t(__shfl_sync(~0u, ticket, 0));
+      }
+      const int s = int(j % stages);  // none left: the consumers find -1 in the next stage
+      if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
+      if (lane == 0) {
+        stage_item[4 * s] = -1;
+        mbarrier_arrive(&full[s]);
+        __threadfence();  // this block's claims before its count
+        if (atomicAdd(claim + 1, 1u) == gridDim.x - 1) claim[0] = 0, claim[1] = 0;
+      }
+      return;
+    }
     int64_t j = 0;
     for (int64_t it = blockIdx.x; it < items; it += gridDim.x)
       for (int l = 0; l < L; ++l, ++j) {
@@ -208,8 +246,8 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
     probe(0);
   }
   const int g = lane / 4, t = lane % 4;
-  int64_t j = 0, n = 0;
-  for (int64_t it = blockIdx.x; it < items; it += gridDim.x, ++n) {
+  int64_t j = 0;
+  auto consume = [&](int64_t it, int64_t n) {  // the block's n-th item: its L tiles from stage j % stages on
     float acc[2] = {0.f, 0.f};
     for (int l = 0; l < L; ++l, ++j) {
       const int s = int(j % stages);
@@ -235,6 +273,18 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
       __threadfence_block();
       epilogue(it, partial);
     }
+  };
+  if constexpr (kClaim) {
+    for (int64_t n = 0;; ++n) {  // the item in the next stage, once its copies (or the end) arrived
+      const int s = int(j % stages);
+      mbarrier_wait(&full[s], uint32_t((j / stages) & 1));
+      const int64_t it = stage_item[4 * s];
+      if (it < 0) break;
+      consume(it, n);
+    }
+  } else {
+    int64_t n = 0;
+    for (int64_t it = blockIdx.x; it < items; it += gridDim.x, ++n) consume(it, n);
   }
   probe(8);
   pdl_trigger_at<kSite>(kPdlAfterProducts);

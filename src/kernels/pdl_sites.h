@@ -25,5 +25,7 @@ enum PdlWhere : unsigned {
   kPdlAfterProducts = 2,  // once its products (attention: its loop) are done, before it reduces and stores
   kPdlAtExit = 3,         // not at all: the successor starts as the block exits
 };
+// Attention's place 1 is once its warps' rows are in shared memory for the merge (after its loop:
+// its input is staged as it goes).
 
 }  // namespace nibble::kernels

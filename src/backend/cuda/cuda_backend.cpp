@@ -117,6 +117,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, cuda::kAttentionMaxPairs * sizeof(unsigned)));
     argmax_counters_ = Buffer(*this, (cuda::kArgmaxMaxRows + 1) * sizeof(unsigned));  // + the head's pick
     CUDA_CHECK(cudaMemset(argmax_counters_.data(), 0, (cuda::kArgmaxMaxRows + 1) * sizeof(unsigned)));
+    moe_claims_ = Buffer(*this, 2 * sizeof(unsigned));
+    CUDA_CHECK(cudaMemset(moe_claims_.data(), 0, 2 * sizeof(unsigned)));
     post_seq_ = Buffer(*this, sizeof(unsigned));
     CUDA_CHECK(cudaMemset(post_seq_.data(), 0, sizeof(unsigned)));
     CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&post_ring_), cuda::kDecodePostRing * 8, cudaHostAllocMapped));
@@ -182,6 +184,7 @@ class CudaBackend final : public Backend {
     route_counter_ = Buffer();
     attention_counters_ = Buffer();
     argmax_counters_ = Buffer();
+    moe_claims_ = Buffer();
     post_seq_ = Buffer();
     if (post_ring_) cudaFreeHost(post_ring_);
     for (cudaEvent_t e : mailbox_events_)
@@ -587,7 +590,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH("gemv_mxfp4_router_fold");
     Buffer act(*this, size_t(K * tables->inter) * 2);
     cuda::MoeRouting experts;
-    experts.xn = xg.data(), experts.normalize = w.normalize;
+    experts.xn = xg.data(), experts.normalize = w.normalize, experts.claim = moe_claims_.data<unsigned>();
     if (route_launch) {
       experts.ids = ids.data<int32_t>(), experts.weights = weights.data(), experts.x_scale = scale.data();
     } else {
@@ -1205,6 +1208,7 @@ class CudaBackend final : public Backend {
       moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
       routing.ids = ids.data<int32_t>(), routing.weights = weights.data();
     }
+    routing.claim = moe_claims_.data<unsigned>();
     cuda::moe_decode_mxfp4(tables.gate_up.data<cuda::Mxfp4Device>(), tables.down.data<cuda::Mxfp4Device>(), E,
                            routing, x, act.data(), out, accumulate, m, K, tables.inter, H, w.swiglu_alpha,
                            w.swiglu_limit, tables.aligned);
@@ -1319,6 +1323,7 @@ class CudaBackend final : public Backend {
   Buffer attention_counters_;  // decode attention's "last split merges" counters, 0 between launches
   Buffer argmax_counters_;     // the one-launch argmax's counters a row, 0 between launches
   unsigned* argmax_counters() { return argmax_counters_.data<unsigned>(); }
+  Buffer moe_claims_;  // the streamed MXFP4 gate/up's claim counters (cuda::MoeRouting::claim), 0 between launches
 
   // Decode posts (post_ints): the device's count of the picks it posted, the mapped ring, and the
   // host's count of the posts it queued (direct launches, and each replay of a graph by the posts

@@ -135,6 +135,9 @@ struct MoeRouting {
   const float* x_scale = nullptr;
   const float* router_bias = nullptr;
   float eps = 0.f;  // the MoE norm's, with acc (the sums' 1 / rms)
+  // Two counters, 0 between launches: the streamed MXFP4 gate/up's blocks claim their tiles past
+  // the first from them (null: a static share each; NIBBLE_MOE_CLAIM=0 forces it, for A/B runs).
+  unsigned* claim = nullptr;
 };
 // MoE decode for m <= kGemvMaxM tokens with device-side routing: the tables hold each expert's
 // gate/up/down matrix (device arrays of Int4Device, n_experts long), all with the same

@@ -792,13 +792,23 @@ static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kern
       const int64_t extra = kernels::mxfp4_x_bytes(m, hidden);
       const int stages = mxfp4_stream_stages(hidden, extra);
       const size_t smem = size_t(kernels::mxfp4_stream_smem(hidden, stages, W, extra));
-      const auto kernel =
-          kernels::moe_mxfp4_gate_up_stream_kernel<W, kMxfp4StreamGateUpBlocks, kPerLane.value, kFold.value>;
-      allow_smem(kernel, smem);
-      const int64_t items = m * top_k * (2 * inter / 16), resident = resident_blocks(kernel, threads, smem) * sms;
-      launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, gu, routing.ids, routing.logits,
-                      n_experts, x, static_cast<const __half*>(routing.xn), routing.x_scale, act, m * top_k, top_k,
-                      inter, hidden, alpha, limit, stages, racc, routing.router_bias);
+      auto launch = [&](auto kClaim) {
+        const auto kernel = kernels::moe_mxfp4_gate_up_stream_kernel<W, kMxfp4StreamGateUpBlocks, kPerLane.value,
+                                                                     kFold.value, kClaim.value>;
+        allow_smem(kernel, smem);
+        const int64_t items = m * top_k * (2 * inter / 16), resident = resident_blocks(kernel, threads, smem) * sms;
+        launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, gu, routing.ids, routing.logits,
+                        n_experts, x, static_cast<const __half*>(routing.xn), routing.x_scale, act, m * top_k, top_k,
+                        inter, hidden, alpha, limit, stages, racc, routing.router_bias, routing.claim);
+      };
+      static const bool no_claim = [] {
+        const char* env = std::getenv("NIBBLE_MOE_CLAIM");
+        return env && std::atoi(env) == 0;
+      }();
+      if (routing.claim && !no_claim)
+        launch(std::true_type{});
+      else
+        launch(std::false_type{});
     };
     if constexpr (kPerLane.value == 0) {
       if (routing.x_scale)  // routed by the launch after a folded o GEMV (gemv_mxfp4_router_fold)
