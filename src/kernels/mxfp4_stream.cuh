@@ -136,7 +136,8 @@ struct Mxfp4NoProbe {
 //                                         empty in normal builds): 0 as their wait returns without
 //                                         after_wait, 1 + j once tile j of the block has landed
 //                                         (j < 4), 8 once the block's products are done)
-// kClaim (without kEarly or after_wait): items past the static ones are claimed from claim[0];
+// kClaim (without after_wait: not kEarly; with it: L = 1): items past the static ones are claimed,
+// after the wait, from claim[0];
 // claim[1] counts the blocks done claiming, and the last of them sets both back to 0 for the next
 // launch (so they must be 0 before the first). Why: with a static share, blocks of 4 tiles and of
 // 3 (gpt-oss's gate/up: 1440 tiles over 396 blocks) and the memory system's uneven service left
@@ -147,7 +148,7 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
                                              Input&& input, Epilogue&& epilogue, AfterWait&& after_wait = {},
                                              Probe&& probe = {}, unsigned* claim = nullptr) {
   constexpr bool kPrologue = !std::is_same_v<std::decay_t<AfterWait>, Mxfp4NoPrologue>;
-  static_assert(!kClaim || (!kEarly && !kPrologue), "claimed items: the producer starts after the wait");
+  static_assert(!kClaim || kPrologue || !kEarly, "claimed items without after_wait: the producer starts after the wait");
   uint8_t* ring = dynamic_smem();
   const int64_t stage_bytes = mxfp4_stream_stage_bytes(k), stride = mxfp4_stream_row_stride(k);
   const int64_t scale_bytes = 16 * mxfp4_scale_stride(k);
@@ -176,7 +177,58 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
       bulk_load(stage + 16 * stride, src.w.scales + src.tile0 * mxfp4_scale_stride(k), uint32_t(scale_bytes),
                 &full[s], policy);
   };
-  if constexpr (kPrologue) {
+  // kClaim's producer from the block's n-th item (`item`, its first tile j) on: each claim is
+  // issued as the previous item's copies go out, so its round trip overlaps the wait for a free
+  // stage. The item goes into the stage's slot before the copies' arrive, which the consumers'
+  // wait on the stage acquires. Then the consumers find -1 in the next stage, and the block counts
+  // itself done claiming.
+  auto produce_claimed = [&](int64_t n, int64_t item, int64_t j, uint64_t policy) {
+    const int64_t first = (stages + L - 1) / L;
+    for (; item < items; ++n) {
+      unsigned ticket = 0;
+      if (n + 1 >= first && lane == 0) ticket = atomicAdd(claim, 1u);
+      for (int l = 0; l < L; ++l, ++j) {
+        const int s = int(j % stages);
+        if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
+        if (lane == 0) stage_item[4 * s] = int32_t(item);
+        copy_tile(s, source(item, l), policy);
+      }
+      item = n + 1 < first ? blockIdx.x + (n + 1) * gridDim.x
+                           : first * gridDim.x + int64_t(__shfl_sync(~0u, ticket, 0));
+    }
+    const int s = int(j % stages);
+    if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
+    if (lane == 0) {
+      stage_item[4 * s] = -1;
+      mbarrier_arrive(&full[s]);
+      __threadfence();  // this block's claims before its count
+      if (atomicAdd(claim + 1, 1u) == gridDim.x - 1) claim[0] = 0, claim[1] = 0;
+    }
+  };
+  if constexpr (kPrologue && kClaim) {
+    // L = 1: the block's first `stages` items (blockIdx.x + n · gridDim.x) go out before the wait
+    // (kEarly) or after it, the block stages its input, then the rest is claimed.
+    const uint64_t policy = warp == W ? l2_evict_first_policy() : 0;
+    int64_t n = 0, item = blockIdx.x;
+    if (!kEarly) pdl_enter_at<kSite>();
+    if (warp == W)
+      for (; n < stages && item < items; ++n, item += gridDim.x) {
+        if (lane == 0) stage_item[4 * n] = int32_t(item);
+        copy_tile(int(n), source(item, 0), policy);
+      }
+    if (kEarly) pdl_enter_at<kSite>();
+    after_wait();
+    __syncthreads();  // what after_wait staged
+    if (warp == W) {
+      if (item < items) {  // all `stages` static items out: the next is claimed
+        unsigned ticket = 0;
+        if (lane == 0) ticket = atomicAdd(claim, 1u);
+        item = stages * int64_t(gridDim.x) + int64_t(__shfl_sync(~0u, ticket, 0));
+      }
+      produce_claimed(n, item, n, policy);
+      return;
+    }
+  } else if constexpr (kPrologue) {
     // Tile j of the block's share: item blockIdx.x + (j / L) · gridDim.x, tile j % L of it. The
     // first `stages` go out before the wait (kEarly) or after it, the block stages its input, then
     // the producer goes on as each stage is released.
@@ -202,31 +254,7 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
     const uint64_t policy = l2_evict_first_policy();
     if (!kEarly) pdl_enter_at<kSite>();
     if constexpr (kClaim) {
-      // Each claim is issued as the previous item's copies go out, so its round trip overlaps the
-      // wait for a free stage. The item goes into the stage's slot before the copies' arrive,
-      // which the consumers' wait on the stage acquires.
-      const int64_t first = (stages + L - 1) / L;
-      int64_t item = blockIdx.x, j = 0;
-      for (int64_t n = 0; item < items; ++n) {
-        unsigned ticket = 0;
-        if (n + 1 >= first && lane == 0) ticket = atomicAdd(claim, 1u);
-        for (int l = 0; l < L; ++l, ++j) {
-          const int s = int(j % stages);
-          if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
-          if (lane == 0) stage_item[4 * s] = int32_t(item);
-          copy_tile(s, source(item, l), policy);
-        }
-        item = n + 1 < first ? blockIdx.x + (n + 1) * gridDim.x
-                             : first * gridDim.x + int64_t(__shfl_sync(~0u, ticket, 0));
-      }
-      const int s = int(j % stages);  // none left: the consumers find -1 in the next stage
-      if (j >= stages) mbarrier_wait(&empty[s], uint32_t((j / stages - 1) & 1));
-      if (lane == 0) {
-        stage_item[4 * s] = -1;
-        mbarrier_arrive(&full[s]);
-        __threadfence();  // this block's claims before its count
-        if (atomicAdd(claim + 1, 1u) == gridDim.x - 1) claim[0] = 0, claim[1] = 0;
-      }
+      produce_claimed(0, blockIdx.x, 0, policy);
       return;
     }
     int64_t j = 0;
@@ -299,16 +327,19 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
 // kPick: a greedy decode step's head also picks the token (pick.cuh GreedyPick): each thread keeps
 // the best of the rows it stores, the blocks' bests meet in the last block to finish, so no argmax
 // launch follows the head.
-template <int W, bool kNorm, int kMinBlocks = 1, bool kPick = false>
+// kClaim: tiles past a block's first `stages` are claimed from claim[0..1] (mxfp4_stream; 0 before
+// and after the launch): the head's last block had ended ~11 µs after its median one.
+template <int W, bool kNorm, int kMinBlocks = 1, bool kPick = false, bool kClaim = false>
 __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) gemv_mxfp4_stream_kernel(Mxfp4Weight w, const float* __restrict__ bias,
                                                                          const float* __restrict__ x,
                                                                          float* __restrict__ y, int64_t n, int64_t k,
-                                                                         GemvIo io, int stages, GreedyPick pick) {
+                                                                         GemvIo io, int stages, GreedyPick pick,
+                                                                         unsigned* __restrict__ claim) {
   NIBBLE_TIMELINE_BLOCK(kGemvInt4);
   __half* xs = reinterpret_cast<__half*>(dynamic_smem() + mxfp4_stream_extra_offset(k, stages, W));
   const uint4* xb = reinterpret_cast<const uint4*>(xs) + threadIdx.x % 4;
   ArgmaxBest best;  // kPick: of the rows this thread stores
-  mxfp4_stream<W, true, false>(
+  mxfp4_stream<W, true, false, kPdlNoSite, kClaim>(
       n / 16, 1, k, stages, [&](int64_t it, int) { return Mxfp4StreamTile{w, 16 * it}; },
       [&](int64_t, int) { return Mxfp4StreamInput{xb, 1.f}; },
       [&](int64_t it, const float(&partial)[W][16]) {
@@ -326,7 +357,8 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) gemv_mxfp4_stream_ke
         NIBBLE_TIMELINE_WAITED();
         XRows<1, kNorm> xr{x, k, 1, io.norm, {}};
         mxfp4_stage_x_normed(xr, k, io.eps, xs);
-      });
+      },
+      Mxfp4NoProbe{}, claim);
   if constexpr (kPick) {
     __shared__ ArgmaxBest s_best[32];
     greedy_pick_finish(best, pick, s_best, blockIdx.x, gridDim.x);

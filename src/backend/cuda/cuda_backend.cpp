@@ -117,8 +117,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, cuda::kAttentionMaxPairs * sizeof(unsigned)));
     argmax_counters_ = Buffer(*this, (cuda::kArgmaxMaxRows + 1) * sizeof(unsigned));  // + the head's pick
     CUDA_CHECK(cudaMemset(argmax_counters_.data(), 0, (cuda::kArgmaxMaxRows + 1) * sizeof(unsigned)));
-    moe_claims_ = Buffer(*this, 2 * sizeof(unsigned));
-    CUDA_CHECK(cudaMemset(moe_claims_.data(), 0, 2 * sizeof(unsigned)));
+    mxfp4_claims_ = Buffer(*this, 4 * sizeof(unsigned));
+    CUDA_CHECK(cudaMemset(mxfp4_claims_.data(), 0, 4 * sizeof(unsigned)));
     post_seq_ = Buffer(*this, sizeof(unsigned));
     CUDA_CHECK(cudaMemset(post_seq_.data(), 0, sizeof(unsigned)));
     CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&post_ring_), cuda::kDecodePostRing * 8, cudaHostAllocMapped));
@@ -184,7 +184,7 @@ class CudaBackend final : public Backend {
     route_counter_ = Buffer();
     attention_counters_ = Buffer();
     argmax_counters_ = Buffer();
-    moe_claims_ = Buffer();
+    mxfp4_claims_ = Buffer();
     post_seq_ = Buffer();
     if (post_ring_) cudaFreeHost(post_ring_);
     for (cudaEvent_t e : mailbox_events_)
@@ -470,6 +470,7 @@ class CudaBackend final : public Backend {
     if (cuda::head_pick_mode() != 0 && w.format == WeightFormat::kMxfp4 && gemv_layout(w)) {
       cuda::GemvIo io{norm.data, eps, false};
       if (router_clear_) io.clear = router_clear_, io.clear_count = router_clear_count_;
+      io.claim = gemv_claims();
       OpProfiler::Scope scope(profiler_, "lm_head");
       Buffer scratch(*this, size_t(cuda::gemv_mxfp4_pick_scratch_bytes()));
       cuda::GreedyPickArgs pick;
@@ -590,7 +591,7 @@ class CudaBackend final : public Backend {
     CUDA_CHECK_LAUNCH("gemv_mxfp4_router_fold");
     Buffer act(*this, size_t(K * tables->inter) * 2);
     cuda::MoeRouting experts;
-    experts.xn = xg.data(), experts.normalize = w.normalize, experts.claim = moe_claims_.data<unsigned>();
+    experts.xn = xg.data(), experts.normalize = w.normalize, experts.claim = moe_claims();
     if (route_launch) {
       experts.ids = ids.data<int32_t>(), experts.weights = weights.data(), experts.x_scale = scale.data();
     } else {
@@ -999,12 +1000,14 @@ class CudaBackend final : public Backend {
       io.clear = router_clear_, io.clear_count = router_clear_count_;
       router_clear_ = nullptr;
     }
-    if (w.format == WeightFormat::kMxfp4)
+    if (w.format == WeightFormat::kMxfp4) {
+      io.claim = gemv_claims();
       cuda::gemv_mxfp4(w.mxfp4.codes, w.mxfp4.scales, w.bias, x, out, m, w.n, w.k, io);
-    else if (w.format == WeightFormat::kInt4)
+    } else if (w.format == WeightFormat::kInt4) {
       cuda::gemv_int4(int4_device(w), w.bias, x, out, m, w.n, w.k, io);
-    else
+    } else {
       cuda::gemv_dense(dense_type(w.format), w.dense, w.bias, x, out, m, w.n, w.k, io);
+    }
     CUDA_CHECK_LAUNCH("gemv");
   }
 
@@ -1208,7 +1211,7 @@ class CudaBackend final : public Backend {
       moe_route(logits.data(), m, E, K, w.normalize, ids.data<int32_t>(), weights.data());
       routing.ids = ids.data<int32_t>(), routing.weights = weights.data();
     }
-    routing.claim = moe_claims_.data<unsigned>();
+    routing.claim = moe_claims();
     cuda::moe_decode_mxfp4(tables.gate_up.data<cuda::Mxfp4Device>(), tables.down.data<cuda::Mxfp4Device>(), E,
                            routing, x, act.data(), out, accumulate, m, K, tables.inter, H, w.swiglu_alpha,
                            w.swiglu_limit, tables.aligned);
@@ -1323,7 +1326,12 @@ class CudaBackend final : public Backend {
   Buffer attention_counters_;  // decode attention's "last split merges" counters, 0 between launches
   Buffer argmax_counters_;     // the one-launch argmax's counters a row, 0 between launches
   unsigned* argmax_counters() { return argmax_counters_.data<unsigned>(); }
-  Buffer moe_claims_;  // the streamed MXFP4 gate/up's claim counters (cuda::MoeRouting::claim), 0 between launches
+  // The streamed MXFP4 kernels' claim counters, 0 between launches: [0, 2) MoE gate/up's
+  // (cuda::MoeRouting::claim), [2, 4) the GEMVs' (cuda::GemvIo::claim; the lm_head's). Separate
+  // pairs: a layer's gate/up may still be running when a GEMV's claims begin, and the reverse.
+  Buffer mxfp4_claims_;
+  unsigned* moe_claims() { return mxfp4_claims_.data<unsigned>(); }
+  unsigned* gemv_claims() { return mxfp4_claims_.data<unsigned>() + 2; }
 
   // Decode posts (post_ints): the device's count of the picks it posted, the mapped ring, and the
   // host's count of the posts it queued (direct launches, and each replay of a graph by the posts

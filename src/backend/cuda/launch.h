@@ -64,6 +64,9 @@ struct GemvIo {
   // sums, RouterAcc, for the next step).
   unsigned long long* clear = nullptr;
   int clear_count = 0;
+  // Two counters, 0 between launches: the streamed MXFP4 GEMV's blocks claim their tiles past the
+  // first from them (null: a static share each; NIBBLE_MXFP4_CLAIM=0 forces it, for A/B runs).
+  unsigned* claim = nullptr;
 };
 // Decode GEMV (m <= kGemvMaxM activation rows).
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
@@ -136,7 +139,7 @@ struct MoeRouting {
   const float* router_bias = nullptr;
   float eps = 0.f;  // the MoE norm's, with acc (the sums' 1 / rms)
   // Two counters, 0 between launches: the streamed MXFP4 gate/up's blocks claim their tiles past
-  // the first from them (null: a static share each; NIBBLE_MOE_CLAIM=0 forces it, for A/B runs).
+  // the first from them (null: a static share each; NIBBLE_MXFP4_CLAIM=0 forces it, for A/B runs).
   unsigned* claim = nullptr;
 };
 // MoE decode for m <= kGemvMaxM tokens with device-side routing: the tables hold each expert's

@@ -722,6 +722,16 @@ void dispatch_mxfp4_double(bool lm_head, Fn&& fn) {
     fn(std::false_type{});
 }
 
+// NIBBLE_MXFP4_CLAIM=0: the streamed MXFP4 kernels' blocks take a static share of the tiles even
+// where the caller gave claim counters (GemvIo::claim, MoeRouting::claim), for A/B runs.
+static bool mxfp4_claims_off() {
+  static const bool off = [] {
+    const char* env = std::getenv("NIBBLE_MXFP4_CLAIM");
+    return env && std::atoi(env) == 0;
+  }();
+  return off;
+}
+
 // The streamed MoE kernels (kernels/moe_mxfp4_stream.cuh): 8 consumer warps and a producer a block,
 // kMxfp4StreamStages stages (NIBBLE_MXFP4_STREAM_STAGES), fewer where K is larger, none (the
 // register kernels) below 2. Alone on gpt-oss's shapes (H100, tools/kernel-bench/moe_mxfp4_bench.cu):
@@ -801,11 +811,7 @@ static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kern
                         n_experts, x, static_cast<const __half*>(routing.xn), routing.x_scale, act, m * top_k, top_k,
                         inter, hidden, alpha, limit, stages, racc, routing.router_bias, routing.claim);
       };
-      static const bool no_claim = [] {
-        const char* env = std::getenv("NIBBLE_MOE_CLAIM");
-        return env && std::atoi(env) == 0;
-      }();
-      if (routing.claim && !no_claim)
+      if (routing.claim && !mxfp4_claims_off())
         launch(std::true_type{});
       else
         launch(std::false_type{});
@@ -931,17 +937,22 @@ static void gemv_mxfp4_stream(const kernels::Mxfp4Weight& w, const float* bias, 
     allow_smem(kernel, smem);
     const int64_t resident = int64_t(resident_blocks(kernel, threads, smem)) * int64_t(sm_count());
     launch_pdl_smem(kernel, unsigned(std::min<int64_t>(n / 16, resident)), threads, smem, w, bias, x, y, n, k,
-                    to_kernel(io), stages, p);
+                    to_kernel(io), stages, p, io.claim);
   };
+  const bool claim = io.claim && !mxfp4_claims_off();
   dispatch_norm(io, [&](auto kNorm) {
-    if (!pick) return run(kernels::gemv_mxfp4_stream_kernel<W, kNorm.value>, kernels::GreedyPick{});
+    if (!pick) {
+      if (claim) return run(kernels::gemv_mxfp4_stream_kernel<W, kNorm.value, 1, false, true>, kernels::GreedyPick{});
+      return run(kernels::gemv_mxfp4_stream_kernel<W, kNorm.value>, kernels::GreedyPick{});
+    }
     // Two blocks an SM, as the head without the pick (96 registers): the pick's code must not take
     // it past a register quarter's 5 warps (kernels/moe_mxfp4_stream.cuh).
     auto* part_val = static_cast<float*>(pick->scratch);  // [kGreedyPickMaxBlocks], then the indices
-    run(kernels::gemv_mxfp4_stream_kernel<W, kNorm.value, 2, true>,
-        kernels::GreedyPick{part_val, reinterpret_cast<int32_t*>(part_val + kGreedyPickMaxBlocks), pick->counter,
-                            pick->out, pick->next_ids, pick->positions,
-                            kernels::DecodePost{pick->post.seq, pick->post.ring}});
+    const kernels::GreedyPick p{part_val, reinterpret_cast<int32_t*>(part_val + kGreedyPickMaxBlocks), pick->counter,
+                                pick->out, pick->next_ids, pick->positions,
+                                kernels::DecodePost{pick->post.seq, pick->post.ring}};
+    if (claim) return run(kernels::gemv_mxfp4_stream_kernel<W, kNorm.value, 2, true, true>, p);
+    run(kernels::gemv_mxfp4_stream_kernel<W, kNorm.value, 2, true>, p);
   });
 }
 
