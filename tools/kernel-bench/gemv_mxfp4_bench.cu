@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
     char label[96];
     std::snprintf(label, sizeof label, "stream W%d stages %d (%u blocks, %d/SM)", warps, stages, blocks, per_sm);
     time(label, [&](const Mxfp4Weight& wt) {
-      kernel<<<blocks, 32 * (warps + 1), ssmem>>>(wt, nullptr, x, y, n, k, io, stages, GreedyPick{});
+      kernel<<<blocks, 32 * (warps + 1), ssmem>>>(wt, nullptr, x, y, n, k, io, stages, GreedyPick{}, nullptr);
     });
   };
   auto streams = [&](auto kNorm) {
