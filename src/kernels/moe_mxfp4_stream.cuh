@@ -78,8 +78,8 @@ enum Mxfp4MoeFold : int {
 };
 
 // kFold: Mxfp4MoeFold. With kMxfp4FoldSums, kRoutePerLane sizes the routing (experts a lane) and
-// racc / router_bias are the folded router's sums and bias. kClaim: the blocks claim items past
-// their first (mxfp4_stream's kClaim) from claim[0..1], 0 before the launch and after it.
+// racc / router_bias are the folded router's sums and bias. kClaim: the blocks claim the items past
+// their first `stages` (mxfp4_stream's kClaim) from claim[0..1], 0 before the launch and after it.
 template <int W, int kMinBlocks = 1, int kRoutePerLane = 0, int kFold = kMxfp4NoFold, bool kClaim = false>
 __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_stream_kernel(
     const Mxfp4Device* __restrict__ gate_up, const int32_t* __restrict__ g_ids, const float* __restrict__ logits,

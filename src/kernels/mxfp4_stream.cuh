@@ -15,9 +15,9 @@
 // copy of the tile's 16 scale rows. The consumer warps split the tile's groups of 128 k; their
 // partial sums meet in shared memory, summed by whichever warp finishes the tile last.
 //
-// Work: items (one output tile each) go to blocks round-robin, or (kClaim) a block's first
-// ceil(stages / L) so and the rest to whichever block's producer claims them first from a counter
-// in global memory; an item is L tiles in sequence
+// Work: items (one output tile each) go to blocks round-robin, or (kClaim) only each block's first
+// ceil(stages / L) do, the rest going to whichever block's producer claims them first from a
+// counter in global memory; an item is L tiles in sequence
 // (MoE gate/up and the lm_head: 1; MoE down: top_k, one per slot, weighted and summed in
 // registers). Needs n % 16 == 0 and 16-byte aligned codes and scales (the launchers check; the
 // register kernels take the rest). Batch 1 only: every B column is the token's row.
