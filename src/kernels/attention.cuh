@@ -112,41 +112,21 @@ namespace nibble::kernels {
 // HD-vector, 16-byte aligned; max in natural-log units of the scaled scores.
 __host__ __device__ constexpr int64_t decode_partial_stride(int64_t head_dim) { return head_dim + 4; }
 
-// Element d of one head's result from one split: with `only` (the single split holding
-// positions) the normalised output (with the head's sink logit, -inf for none), else the split's
-// partial in the layout above (value unnormalised, the max in natural-log units, the softmax sum)
-// for decode_merge_last_split.
-template <int HD>
+// Elements d .. d + N - 1 of one head's result from one split (one 4-, 8- or 16-byte store): with
+// `only` (the single split holding positions) the normalised output (with the head's sink logit,
+// -inf for none), else the split's partial in the layout above (value unnormalised, the max in
+// natural-log units, the softmax sum) for decode_merge_last_split.
+template <int HD, int N = 1>
 __device__ __forceinline__ void decode_store_split(float* __restrict__ out, float* __restrict__ partial, int64_t head,
-                                                   int64_t split, int64_t n_splits, bool only, int d, float value,
-                                                   float max_ln, float sum, float sink) {
-  if (only) {
-    out[head * HD + d] = with_sink(value, max_ln, sum, sink);
-  } else {
-    float* p = partial + (head * n_splits + split) * decode_partial_stride(HD);
-    p[4 + d] = value;
-    if (d == 0) p[0] = max_ln, p[1] = sum;
-  }
-}
-
-// decode_store_split for a lane's N consecutive elements d .. d + N - 1 (one 8- or 16-byte store;
-// with_sink's factor computed once for them).
-template <int HD, int N>
-__device__ __forceinline__ void decode_store_split_vec(float* __restrict__ out, float* __restrict__ partial,
-                                                       int64_t head, int64_t split, int64_t n_splits, bool only, int d,
-                                                       const float (&value)[N], float max_ln, float sum, float sink) {
-  static_assert(N == 2 || N == 4);
-  std::conditional_t<N == 2, float2, float4> v;
-  float* e = &v.x;
+                                                   int64_t split, int64_t n_splits, bool only, int d,
+                                                   const float (&value)[N], float max_ln, float sum, float sink) {
+  static_assert(N == 1 || N == 2 || N == 4);
+  std::conditional_t<N == 1, float, std::conditional_t<N == 2, float2, float4>> v;
+  float* e = reinterpret_cast<float*>(&v);
   float* dst;
   if (only) {
-    float factor = 1.f / sum;
-    if (sink != -__builtin_huge_valf()) {
-      const float m2 = fmaxf(max_ln, sink), a = expf(max_ln - m2);
-      factor = a / (sum * a + expf(sink - m2));
-    }
 #pragma unroll
-    for (int i = 0; i < N; ++i) e[i] = value[i] * factor;
+    for (int i = 0; i < N; ++i) e[i] = with_sink(value[i], max_ln, sum, sink);
     dst = out + head * HD + d;
   } else {
 #pragma unroll
@@ -355,8 +335,9 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
     float o = 0.f;
 #pragma unroll 4
     for (int g = 0; g < kGroups; ++g) o += red[g][h][d];
-    decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, n_splits == 1, d, o, s_max[h],
-                           s_sum[h], sink_logit(mods, kv * group + h));
+    const float value[1] = {o};
+    decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, n_splits == 1, d, value,
+                           s_max[h], s_sum[h], sink_logit(mods, kv * group + h));
   }
   if (n_splits == 1) return;
   decode_merge_last_split<G, HD, kDecodeThreads>(partial, out, counters, t, kv, group, n_head, n_splits, 0, n_splits,
@@ -706,8 +687,8 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
       for (int j = 0; j < kPerLane; ++j) acc[j] += pv[j] * f;
     }
     // The max in log2 units here, natural-log units in the partial.
-    decode_store_split_vec<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, only, kPerLane * lane, acc,
-                               mx * 0.6931471805599453f, l, s_sink[h]);
+    decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, only, kPerLane * lane, acc,
+                           mx * 0.6931471805599453f, l, s_sink[h]);
   }
   NIBBLE_TIMELINE_MARK_AT(7);  // the outputs stored
   if (only) return;
