@@ -77,6 +77,12 @@ enum Mxfp4MoeFold : int {
   kMxfp4FoldSums = 2,
 };
 
+// What the streamed MoE kernels read ahead of their epilogues (early_reads, a mask), so that an
+// item's last step is not a DRAM or L2 round trip after its products: the tiles' biases copied
+// with them (Mxfp4StreamTile::bias; gpt-oss's experts have them) and down's output rows read as
+// its products start.
+enum Mxfp4EarlyReads : unsigned { kMxfp4EarlyBias = 1, kMxfp4EarlyOut = 2, kMxfp4EarlyAll = 3 };
+
 // kFold: Mxfp4MoeFold. With kMxfp4FoldSums, kRoutePerLane sizes the routing (experts a lane) and
 // racc / router_bias are the folded router's sums and bias. kClaim: the blocks claim the items past
 // their first `stages` (mxfp4_stream's kClaim) from claim[0..1], 0 before the launch and after it.
@@ -85,8 +91,10 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
     const Mxfp4Device* __restrict__ gate_up, const int32_t* __restrict__ g_ids, const float* __restrict__ logits,
     int64_t n_experts, const float* __restrict__ x, const __half* __restrict__ xg, const float* __restrict__ x_scale,
     __half* __restrict__ act, int64_t slots, int64_t top_k, int64_t inter, int64_t hidden, float alpha, float limit,
-    int stages, RouterAcc racc, const float* __restrict__ router_bias, unsigned* __restrict__ claim) {
+    int stages, RouterAcc racc, const float* __restrict__ router_bias, unsigned* __restrict__ claim,
+    unsigned early_reads) {
   NIBBLE_TIMELINE_BLOCK(kMoeGateUp);
+  const bool stage_bias = early_reads & kMxfp4EarlyBias;
   const int64_t tiles = 2 * inter / 16;
   __half* xs = reinterpret_cast<__half*>(dynamic_smem() + mxfp4_stream_extra_offset(hidden, stages, W));
   if constexpr (kFold == kMxfp4NoFold)
@@ -135,22 +143,26 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
       slots * tiles, 1, hidden, stages,
       [&](int64_t it, int) {
         const Mxfp4Device d = kSums ? table.e[ids[it / tiles]] : gate_up[ids[it / tiles]];
-        return Mxfp4StreamTile{{d.codes, d.scales}, it % tiles * 16};
+        const int64_t row0 = it % tiles * 16;
+        return Mxfp4StreamTile{{d.codes, d.scales}, row0, stage_bias ? mxfp4_stageable_bias(d.bias, row0) : nullptr};
       },
       [&](int64_t it, int) {
         const int64_t tok = it / tiles / top_k;
         return Mxfp4StreamInput{reinterpret_cast<const uint4*>(xs + tok * mxfp4_x_stride(hidden)) + threadIdx.x % 4,
                                 kSums ? s_factor : factor};
       },
-      [&](int64_t it, const float(&partial)[W][16]) {
+      [&](int64_t it, const float(&partial)[W][16], const Mxfp4StagedBias& staged, float) {
         const int jj = threadIdx.x % 32;
         if (jj >= 8) return;
         const int64_t slot = it / tiles, j = it % tiles * 8 + jj;
         float gate = 0.f, up = 0.f;
 #pragma unroll
         for (int w = 0; w < W; ++w) gate += partial[w][2 * jj], up += partial[w][2 * jj + 1];
-        const float* bias = gate_up[ids[slot]].bias;
-        if (bias) gate += bias[2 * j], up += bias[2 * j + 1];
+        if (staged.mask & 1u) {
+          gate += staged.v[0][2 * jj], up += staged.v[0][2 * jj + 1];
+        } else if (const float* bias = kSums ? table.e[ids[slot]].bias : gate_up[ids[slot]].bias) {
+          gate += bias[2 * j], up += bias[2 * j + 1];
+        }
         act[slot * inter + mxfp4_x_half(j)] = __float2half_rn(clamped_swiglu(gate, up, alpha, limit));
       },
       Mxfp4NoPrologue{},
@@ -171,8 +183,9 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_down_strea
     const Mxfp4Device* __restrict__ down, const int32_t* __restrict__ g_ids, const float* __restrict__ g_weights,
     const float* __restrict__ logits, int64_t n_experts, bool normalize, const __half* __restrict__ act,
     float* __restrict__ out, int64_t m, int64_t top_k, int64_t inter, int64_t hidden, bool accumulate, int stages,
-    RouterAcc racc, const float* __restrict__ router_bias) {
+    RouterAcc racc, const float* __restrict__ router_bias, unsigned early_reads) {
   NIBBLE_TIMELINE_BLOCK(kMoeDown);
+  const bool stage_bias = early_reads & kMxfp4EarlyBias, preload_out = accumulate && (early_reads & kMxfp4EarlyOut);
   const int64_t tiles = hidden / 16;
   __shared__ Mxfp4StreamRouting<kRoutePerLane> routing;
   __shared__ Mxfp4ExpertTable<kFoldedSums ? 32 * kRoutePerLane : 0> table;
@@ -192,13 +205,14 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_down_strea
       [&](int64_t it, int l) {
         const int32_t e = ids[it / tiles * top_k + l];
         const Mxfp4Device d = kFoldedSums ? table.e[e] : down[e];
-        return Mxfp4StreamTile{{d.codes, d.scales}, it % tiles * 16};
+        const int64_t row0 = it % tiles * 16;
+        return Mxfp4StreamTile{{d.codes, d.scales}, row0, stage_bias ? mxfp4_stageable_bias(d.bias, row0) : nullptr};
       },
       [&](int64_t it, int l) {
         const int64_t slot = it / tiles * top_k + l;
         return Mxfp4StreamInput{reinterpret_cast<const uint4*>(act + slot * inter) + threadIdx.x % 4, weights[slot]};
       },
-      [&](int64_t it, const float(&partial)[W][16]) {
+      [&](int64_t it, const float(&partial)[W][16], const Mxfp4StagedBias& staged, float pre) {
         const int r = threadIdx.x % 32;
         if (r >= 16) return;
         const int64_t tok = it / tiles, row = it % tiles * 16 + r;
@@ -206,17 +220,26 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_down_strea
 #pragma unroll
         for (int w = 0; w < W; ++w) total += partial[w][r];
         for (int64_t l = 0; l < top_k; ++l) {
-          const float* bias = down[ids[tok * top_k + l]].bias;
-          if (bias) total = fmaf(weights[tok * top_k + l], bias[row], total);
+          const float weight = weights[tok * top_k + l];
+          if (l < kMxfp4StagedBiasTiles && (staged.mask >> l & 1u))
+            total = fmaf(weight, staged.v[l][r], total);
+          else if (const float* bias = kFoldedSums ? table.e[ids[tok * top_k + l]].bias : down[ids[tok * top_k + l]].bias)
+            total = fmaf(weight, bias[row], total);
         }
         float* dst = out + tok * hidden + row;
-        *dst = (accumulate ? *dst : 0.f) + total;
+        *dst = (accumulate ? (preload_out ? pre : *dst) : 0.f) + total;
       },
-      Mxfp4NoPrologue{}, [&](int event) {
+      Mxfp4NoPrologue{},
+      [&](int event) {
         if (event == 0)
           NIBBLE_TIMELINE_WAITED();
         else
           NIBBLE_TIMELINE_MARK_AT(event);
+      },
+      nullptr,
+      [&](int64_t it) {  // the output rows this item adds to, read as its products start
+        const int r = threadIdx.x % 32;
+        return preload_out && r < 16 ? out[it / tiles * hidden + it % tiles * 16 + r] : 0.f;
       });
 }
 

@@ -38,14 +38,26 @@ namespace nibble::kernels {
 // A staged code row: k/2 bytes padded to 64 mod 128, so rows g and g + 1 start half a bank cycle
 // apart and a warp's 16-byte loads of 8 rows are conflict-free.
 __host__ __device__ constexpr int64_t mxfp4_stream_row_stride(int64_t k) { return k / 2 + (192 - (k / 2) % 128) % 128; }
+// A stage: the 16 code rows, the 16 scale rows, then the tile's 16 bias floats (when its source
+// has them).
 __host__ __device__ constexpr int64_t mxfp4_stream_stage_bytes(int64_t k) {
-  return 16 * mxfp4_stream_row_stride(k) + 16 * mxfp4_scale_stride(k);
+  return 16 * mxfp4_stream_row_stride(k) + 16 * mxfp4_scale_stride(k) + 64;
 }
+// An item's staged biases (Mxfp4StreamTile::bias) as its epilogue sees them: tile l's 16 floats
+// in v[l] when bit l of mask is set (l < kMxfp4StagedBiasTiles; the epilogue reads the rest, or
+// unstaged ones, from global memory).
+constexpr int kMxfp4StagedBiasTiles = 4;
+struct Mxfp4StagedBias {
+  float v[kMxfp4StagedBiasTiles][16];
+  uint32_t mask, pad[3];
+};
 // Dynamic shared memory: the ring, its two barriers a stage, the consumers' partial sums of
 // stages + 2 items (W × 16 floats and 16 bytes each: a counter, and for the first `stages` the
-// item in that stage when items are claimed), then `extra` bytes (16-aligned).
+// item in that stage when items are claimed and whether that stage holds biases), their staged
+// biases, then `extra` bytes (16-aligned).
 __host__ __device__ constexpr int64_t mxfp4_stream_extra_offset(int64_t k, int stages, int warps) {
-  return stages * (mxfp4_stream_stage_bytes(k) + 16) + (stages + 2) * (64 * warps + 16);
+  return stages * (mxfp4_stream_stage_bytes(k) + 16) + (stages + 2) * (64 * warps + 16) +
+         (stages + 2) * int64_t(sizeof(Mxfp4StagedBias));
 }
 __host__ __device__ constexpr int64_t mxfp4_stream_smem(int64_t k, int stages, int warps, int64_t extra) {
   return mxfp4_stream_extra_offset(k, stages, warps) + extra;
@@ -106,11 +118,20 @@ __device__ __forceinline__ void mxfp4_stage_dot(const uint8_t* stage, int64_t k,
 struct Mxfp4StreamTile {  // what the producer copies: rows tile0 .. tile0 + 15 of w
   Mxfp4Weight w;
   int64_t tile0;
+  // Those rows' biases (16 floats, 16-byte aligned) or null: copied with the tile, so that the
+  // item's epilogue does not wait on a DRAM read after its products (Mxfp4StagedBias).
+  const float* bias = nullptr;
 };
 struct Mxfp4StreamInput {  // what a consumer multiplies a stage by
   const uint4* x;          // the token's staged row, + t: every lane's B column is the token
   float factor;            // the tile's weight in the item's sum
 };
+
+// bias + row0 as a tile's Mxfp4StreamTile::bias: null when there is none or the bulk copy cannot
+// take it (not 16-byte aligned), so the epilogue reads it from global memory.
+__device__ __forceinline__ const float* mxfp4_stageable_bias(const float* bias, int64_t row0) {
+  return bias && reinterpret_cast<uintptr_t>(bias + row0) % 16 == 0 ? bias + row0 : nullptr;
+}
 
 // No block-wide work after the PDL wait (mxfp4_stream's default `after_wait`).
 struct Mxfp4NoPrologue {
@@ -120,6 +141,10 @@ struct Mxfp4NoPrologue {
 struct Mxfp4NoProbe {
   __device__ void operator()(int) const {}
 };
+// Nothing read ahead for the epilogue (mxfp4_stream's default `preload`).
+struct Mxfp4NoPreload {
+  __device__ float operator()(int64_t) const { return 0.f; }
+};
 
 // The block's share of `items` (items blockIdx.x, + gridDim.x, ...), each `L` tiles through the
 // ring of `stages`. Warps 0..W-1 consume, warp W produces. Every thread of the block calls it
@@ -127,7 +152,13 @@ struct Mxfp4NoProbe {
 // before its wait when kEarly (source may then read only what was written two launches back).
 //   source(item, l) -> Mxfp4StreamTile   (producer)
 //   input(item, l) -> Mxfp4StreamInput   (consumers, after the wait)
-//   epilogue(item, partial)              (the item's last consumer warp; partial[w][row]: warp w's sum)
+//   epilogue(item, partial, staged, pre) (the item's last consumer warp; partial[w][row]: warp w's
+//                                         sum; staged: the biases its tiles' sources gave; pre:
+//                                         what preload returned to this lane)
+//   preload(item) -> float                (every consumer lane, after the wait, as it starts the
+//                                         item: a global read the epilogue needs, e.g. the output
+//                                         row it adds to, issued before the products so that its
+//                                         round trip is not the item's last step)
 //   after_wait()                         (every thread, after the wait and the first `stages` tiles
 //                                         issued (kEarly), before any consumer reads a stage: what
 //                                         the block stages from its predecessor, e.g. a normalised x;
@@ -143,10 +174,11 @@ struct Mxfp4NoProbe {
 // 3 (gpt-oss's gate/up: 1440 tiles over 396 blocks) and the memory system's uneven service left
 // the grid's last block ending ~6 µs after its median one (in-kernel timeline, H100).
 template <int W, bool kEarly, bool kGlobalX, int kSite = kPdlNoSite, bool kClaim = false, typename Source,
-          typename Input, typename Epilogue, typename AfterWait = Mxfp4NoPrologue, typename Probe = Mxfp4NoProbe>
+          typename Input, typename Epilogue, typename AfterWait = Mxfp4NoPrologue, typename Probe = Mxfp4NoProbe,
+          typename Preload = Mxfp4NoPreload>
 __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, int stages, Source&& source,
                                              Input&& input, Epilogue&& epilogue, AfterWait&& after_wait = {},
-                                             Probe&& probe = {}, unsigned* claim = nullptr) {
+                                             Probe&& probe = {}, unsigned* claim = nullptr, Preload&& preload = {}) {
   constexpr bool kPrologue = !std::is_same_v<std::decay_t<AfterWait>, Mxfp4NoPrologue>;
   static_assert(!kClaim || kPrologue || !kEarly, "claimed items without after_wait: the producer starts after the wait");
   uint8_t* ring = dynamic_smem();
@@ -157,6 +189,8 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
   auto* sums = reinterpret_cast<float(*)[W][16]>(empty + stages);
   auto* counts = reinterpret_cast<uint32_t*>(sums + stages + 2);
   int32_t* stage_item = reinterpret_cast<int32_t*>(counts) + 1;  // [4 s]: stage s's item (kClaim), -1: none left
+  uint32_t* stage_biased = counts + 2;                              // [4 s]: stage s holds its tile's biases
+  auto* staged = reinterpret_cast<Mxfp4StagedBias*>(counts + 4 * (stages + 2));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], W);
@@ -167,8 +201,13 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
   const int64_t mine = items > blockIdx.x ? (items - 1 - blockIdx.x) / gridDim.x + 1 : 0, total = mine * L;
 
   // The producer warp's copies of one tile into stage s, completed on its `full` barrier.
+  // The flag is written before the arrive, which the consumers' wait on the stage acquires.
   auto copy_tile = [&](int s, const Mxfp4StreamTile& src, uint64_t policy) {
-    if (lane == 0) mbarrier_arrive_expect(&full[s], uint32_t(16 * (k / 2) + scale_bytes));
+    const bool biased = src.bias != nullptr;
+    if (lane == 0) {
+      stage_biased[4 * s] = biased;
+      mbarrier_arrive_expect(&full[s], uint32_t(16 * (k / 2) + scale_bytes + (biased ? 64 : 0)));
+    }
     __syncwarp();
     uint8_t* stage = ring + s * stage_bytes;
     if (lane < 16)
@@ -176,6 +215,8 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
     else if (lane == 16)
       bulk_load(stage + 16 * stride, src.w.scales + src.tile0 * mxfp4_scale_stride(k), uint32_t(scale_bytes),
                 &full[s], policy);
+    else if (lane == 17 && biased)
+      bulk_load(stage + 16 * stride + scale_bytes, src.bias, 64u, &full[s], policy);
   };
   // kClaim's producer from the block's n-th item (`item`, its first tile j) on: each claim is
   // issued as the previous item's copies go out, so its round trip overlaps the wait for a free
@@ -277,13 +318,22 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
   int64_t j = 0;
   auto consume = [&](int64_t it, int64_t n) {  // the block's n-th item: its L tiles from stage j % stages on
     float acc[2] = {0.f, 0.f};
+    const float pre = preload(it);
+    Mxfp4StagedBias& item_bias = staged[n % (stages + 2)];
     for (int l = 0; l < L; ++l, ++j) {
       const int s = int(j % stages);
       const Mxfp4StreamInput in = input(it, l);
       mbarrier_wait(&full[s], uint32_t((j / stages) & 1));
       if (j < 4) probe(int(1 + j));
       float a[2] = {0.f, 0.f};
-      mxfp4_stage_dot<W, kGlobalX>(ring + s * stage_bytes, k, warp, in.x, a);
+      uint8_t* stage = ring + s * stage_bytes;
+      mxfp4_stage_dot<W, kGlobalX>(stage, k, warp, in.x, a);
+      if (warp == 0 && l < kMxfp4StagedBiasTiles) {  // the biases leave the stage before it is released
+        const bool biased = stage_biased[4 * s] != 0;
+        if (biased && lane < 16)
+          item_bias.v[l][lane] = reinterpret_cast<const float*>(stage + 16 * stride + scale_bytes)[lane];
+        if (lane == 0) item_bias.mask = (l == 0 ? 0u : item_bias.mask) | (uint32_t(biased) << l);
+      }
       __syncwarp();
       if (lane == 0) mbarrier_arrive(&empty[s]);
       acc[0] = fmaf(in.factor, a[0], acc[0]), acc[1] = fmaf(in.factor, a[1], acc[1]);
@@ -299,7 +349,7 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
     if (lane == 0) arrived = atomicAdd(&counts[4 * (n % (stages + 2))], 1u);  // W more each use
     if (__shfl_sync(~0u, arrived, 0) % W == W - 1) {
       __threadfence_block();
-      epilogue(it, partial);
+      epilogue(it, partial, static_cast<const Mxfp4StagedBias&>(item_bias), pre);
     }
   };
   if constexpr (kClaim) {
@@ -340,13 +390,14 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) gemv_mxfp4_stream_ke
   const uint4* xb = reinterpret_cast<const uint4*>(xs) + threadIdx.x % 4;
   ArgmaxBest best;  // kPick: of the rows this thread stores
   mxfp4_stream<W, true, false, kPdlNoSite, kClaim>(
-      n / 16, 1, k, stages, [&](int64_t it, int) { return Mxfp4StreamTile{w, 16 * it}; },
+      n / 16, 1, k, stages,
+      [&](int64_t it, int) { return Mxfp4StreamTile{w, 16 * it, mxfp4_stageable_bias(bias, 16 * it)}; },
       [&](int64_t, int) { return Mxfp4StreamInput{xb, 1.f}; },
-      [&](int64_t it, const float(&partial)[W][16]) {
+      [&](int64_t it, const float(&partial)[W][16], const Mxfp4StagedBias& staged, float) {
         const int r = threadIdx.x % 32;
         if (r >= 16) return;
         const int64_t row = 16 * it + r;
-        float total = bias ? bias[row] : 0.f;
+        float total = staged.mask & 1u ? staged.v[0][r] : bias ? bias[row] : 0.f;
 #pragma unroll
         for (int i = 0; i < W; ++i) total += partial[i][r];
         total = io.accumulate ? y[row] + total : total;

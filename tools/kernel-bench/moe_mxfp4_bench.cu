@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
                   smem / 1024);
     time(label, gu_bytes, [&](int s) {
       kernel<<<grid, 32 * (w + 1), smem>>>(d_gu, d_ids + s * top_k, nullptr, 0, x, nullptr, nullptr, act, top_k, top_k,
-                                           inter, hidden, 1.702f, 7.f, stages, RouterAcc{}, nullptr, nullptr);
+                                           inter, hidden, 1.702f, 7.f, stages, RouterAcc{}, nullptr, nullptr, kMxfp4EarlyAll);
     });
   };
   for (int stages : {2, 3, 4}) gate_up_stream(moe_mxfp4_gate_up_stream_kernel<8>, 8, stages, 0);
@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
                   smem / 1024);
     time(label, dn_bytes, [&](int s) {
       kernel<<<grid, 32 * (w + 1), smem>>>(d_dn, d_ids + s * top_k, d_w + s * top_k, nullptr, 0, false, act, out, 1,
-                                           top_k, inter, hidden, true, stages, RouterAcc{}, nullptr);
+                                           top_k, inter, hidden, true, stages, RouterAcc{}, nullptr, kMxfp4EarlyAll);
     });
   };
   for (int stages : {2, 3, 4}) down_stream(moe_mxfp4_down_stream_kernel<8>, 8, stages, 0);

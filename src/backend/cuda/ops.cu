@@ -732,6 +732,16 @@ static bool mxfp4_claims_off() {
   return off;
 }
 
+// The streamed MoE kernels' early reads (kernels::Mxfp4EarlyReads); NIBBLE_MXFP4_EARLY_READS=mask
+// for A/B runs (0: the biases and down's output rows read in each item's epilogue).
+static unsigned mxfp4_early_reads() {
+  static const unsigned mask = [] {
+    const char* env = std::getenv("NIBBLE_MXFP4_EARLY_READS");
+    return env ? unsigned(std::atoi(env)) : unsigned(kernels::kMxfp4EarlyAll);
+  }();
+  return mask;
+}
+
 // The streamed MoE kernels (kernels/moe_mxfp4_stream.cuh): 8 consumer warps and a producer a block,
 // kMxfp4StreamStages stages (NIBBLE_MXFP4_STREAM_STAGES), fewer where K is larger, none (the
 // register kernels) below 2. Alone on gpt-oss's shapes (H100, tools/kernel-bench/moe_mxfp4_bench.cu):
@@ -809,7 +819,8 @@ static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kern
         const int64_t items = m * top_k * (2 * inter / 16), resident = resident_blocks(kernel, threads, smem) * sms;
         launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, gu, routing.ids, routing.logits,
                         n_experts, x, static_cast<const __half*>(routing.xn), routing.x_scale, act, m * top_k, top_k,
-                        inter, hidden, alpha, limit, stages, racc, routing.router_bias, routing.claim);
+                        inter, hidden, alpha, limit, stages, racc, routing.router_bias, routing.claim,
+                        mxfp4_early_reads());
       };
       if (routing.claim && !mxfp4_claims_off())
         launch(std::true_type{});
@@ -835,7 +846,7 @@ static void moe_decode_mxfp4_streamed(const kernels::Mxfp4Device* gu, const kern
       const int64_t items = m * (hidden / 16), resident = resident_blocks(kernel, threads, smem) * sms;
       launch_pdl_smem(kernel, unsigned(std::min(items, resident)), threads, smem, dn, routing.ids, routing.weights,
                       routing.logits, n_experts, routing.normalize, static_cast<const __half*>(act), out, m, top_k,
-                      inter, hidden, accumulate, stages, racc, routing.router_bias);
+                      inter, hidden, accumulate, stages, racc, routing.router_bias, mxfp4_early_reads());
     };
     if constexpr (kPerLane.value > 0)
       if (sums) return down(std::true_type{});
