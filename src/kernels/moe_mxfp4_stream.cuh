@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_gate_up_st
         return Mxfp4StreamTile{{d.codes, d.scales}, row0, stage_bias ? mxfp4_stageable_bias(d.bias, row0) : nullptr};
       },
       [&](int64_t it, int) {
-        const int64_t tok = it / tiles / top_k;
+        const int64_t tok = slots == top_k ? 0 : it / tiles / top_k;  // one token: no division a tile
         return Mxfp4StreamInput{reinterpret_cast<const uint4*>(xs + tok * mxfp4_x_stride(hidden)) + threadIdx.x % 4,
                                 kSums ? s_factor : factor};
       },
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(32 * (W + 1), kMinBlocks) moe_mxfp4_down_strea
         return Mxfp4StreamTile{{d.codes, d.scales}, row0, stage_bias ? mxfp4_stageable_bias(d.bias, row0) : nullptr};
       },
       [&](int64_t it, int l) {
-        const int64_t slot = it / tiles * top_k + l;
+        const int64_t slot = (m == 1 ? 0 : it / tiles) * top_k + l;  // one token: no division a tile
         return Mxfp4StreamInput{reinterpret_cast<const uint4*>(act + slot * inter) + threadIdx.x % 4, weights[slot]};
       },
       [&](int64_t it, const float(&partial)[W][16], const Mxfp4StagedBias& staged, float pre) {

@@ -315,15 +315,24 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
     probe(0);
   }
   const int g = lane / 4, t = lane % 4;
+  // The consumers' tile j sits in stage cs = j % stages with phase parity cphase = (j / stages) & 1,
+  // and their n-th item in slot n % (stages + 2): counters advanced a tile (an item) at a time, as
+  // a 64-bit division by the runtime `stages` costs each warp tens of instructions a tile.
   int64_t j = 0;
-  auto consume = [&](int64_t it, int64_t n) {  // the block's n-th item: its L tiles from stage j % stages on
+  int cs = 0, slot = 0;
+  uint32_t cphase = 0;
+  auto next_tile = [&] {
+    ++j;
+    if (++cs == stages) cs = 0, cphase ^= 1u;
+  };
+  auto consume = [&](int64_t it) {  // the next item: its L tiles from stage cs on
     float acc[2] = {0.f, 0.f};
     const float pre = preload(it);
-    Mxfp4StagedBias& item_bias = staged[n % (stages + 2)];
-    for (int l = 0; l < L; ++l, ++j) {
-      const int s = int(j % stages);
+    Mxfp4StagedBias& item_bias = staged[slot];
+    for (int l = 0; l < L; ++l, next_tile()) {
+      const int s = cs;
       const Mxfp4StreamInput in = input(it, l);
-      mbarrier_wait(&full[s], uint32_t((j / stages) & 1));
+      mbarrier_wait(&full[s], cphase);
       if (j < 4) probe(int(1 + j));
       float a[2] = {0.f, 0.f};
       uint8_t* stage = ring + s * stage_bytes;
@@ -341,28 +350,27 @@ __device__ __forceinline__ void mxfp4_stream(int64_t items, int L, int64_t k, in
     // Column 0 (the token) is in the lanes with t == 0. The last warp to finish the item sums it,
     // so no warp waits for the others. The ring keeps the fastest warp within `stages` tiles of
     // the slowest, so stages + 2 slots never hold two live items.
-    float(&partial)[W][16] = sums[n % (stages + 2)];
+    float(&partial)[W][16] = sums[slot];
     if (t == 0) partial[warp][g] = acc[0], partial[warp][g + 8] = acc[1];
     __threadfence_block();
     __syncwarp();
     uint32_t arrived = 0;
-    if (lane == 0) arrived = atomicAdd(&counts[4 * (n % (stages + 2))], 1u);  // W more each use
+    if (lane == 0) arrived = atomicAdd(&counts[4 * slot], 1u);  // W more each use
     if (__shfl_sync(~0u, arrived, 0) % W == W - 1) {
       __threadfence_block();
       epilogue(it, partial, static_cast<const Mxfp4StagedBias&>(item_bias), pre);
     }
+    if (++slot == stages + 2) slot = 0;
   };
   if constexpr (kClaim) {
-    for (int64_t n = 0;; ++n) {  // the item in the next stage, once its copies (or the end) arrived
-      const int s = int(j % stages);
-      mbarrier_wait(&full[s], uint32_t((j / stages) & 1));
-      const int64_t it = stage_item[4 * s];
+    for (;;) {  // the item in the next stage, once its copies (or the end) arrived
+      mbarrier_wait(&full[cs], cphase);
+      const int64_t it = stage_item[4 * cs];
       if (it < 0) break;
-      consume(it, n);
+      consume(it);
     }
   } else {
-    int64_t n = 0;
-    for (int64_t it = blockIdx.x; it < items; it += gridDim.x, ++n) consume(it, n);
+    for (int64_t it = blockIdx.x; it < items; it += gridDim.x) consume(it);
   }
   probe(8);
   pdl_trigger_at<kSite>(kPdlAfterProducts);
