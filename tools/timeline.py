@@ -9,12 +9,17 @@ with the overlap PDL gives, which a CUPTI trace (serialised) cannot show:
   late = last block's wait - release (blocks that were not resident when released), and the
   median block's time from its wait to its inner mark and to its end.
 
-Usage: tools/timeline.py FILE [--steps N] [--keep OUT]
+Usage: tools/timeline.py FILE [--steps N] [--keep OUT] [--spread]
   --steps N: the last N complete decode steps (default 16); --keep OUT: also write those steps'
-  records to OUT in the same format (a file small enough to bring back from the device).
+  records to OUT in the same format (a file small enough to bring back from the device);
+  --spread: also, per kernel and predecessor, how its blocks spread from its release: the boundary
+  (release - the predecessor's last block end), the share of blocks that started before that end,
+  and percentiles of the blocks' wait, mark and end, with the last block's (which sets the
+  critical time).
 """
 import argparse
 import sys
+import warnings
 
 import numpy as np
 
@@ -77,6 +82,7 @@ def main():
     ap.add_argument("file")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--keep")
+    ap.add_argument("--spread", action="store_true")
     a = ap.parse_args()
     recs, names = load(a.file)
     recs = recs[recs["end"] > 0]
@@ -127,6 +133,38 @@ def main():
               f"{np.mean(e['lead']) / 1e3:.2f} | {np.mean(e['late']) / 1e3:.2f} | {mark} | "
               f"{np.mean(e['blk']) / 1e3:.2f} | {share:.1f} |")
     print(f"\nsum of (critical + gap) per step: {total:.1f} µs")
+    if a.spread:
+        spread(launches, steps)
+
+
+def spread(launches, steps):
+    """Per kernel and predecessor, µs from the launch's release, means over the steps' launches."""
+    rows = {}
+    for s0, s1 in steps:
+        for j in range(s0, s1):
+            name, r = launches[j]
+            prev_name, prev = launches[j - 1] if j > s0 else ("step start", None)
+            t0 = release(r)
+            waited = np.where(r["waited"] > 0, r["waited"], r["entry"]).astype(np.int64) - t0
+            end = r["end"].astype(np.int64) - t0
+            marks = r["mark"].astype(np.int64)
+            mark = marks[marks > 0] - t0
+            last = int(np.argmax(end))
+            prev_end = int(prev["end"].max()) if prev is not None else t0
+            e = rows.setdefault(f"{name} [{len(r)} blocks] after {prev_name}", [])
+            pct = lambda v: np.percentile(v, [50, 90, 100]) if len(v) else np.full(3, np.nan)
+            e.append(np.concatenate([[t0 - prev_end, np.mean(r["entry"].astype(np.int64) < prev_end)], pct(waited),
+                                     pct(mark), pct(end),
+                                     [waited[last], marks[last] - t0 if marks[last] > 0 else np.nan, end[last]]]))
+    print("\n| launch | boundary µs | started before it | wait p50 / p90 / max | mark p50 / p90 / max | "
+          "end p50 / p90 / max | last block: wait / mark / end |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, e in rows.items():
+        with warnings.catch_warnings():  # columns a kernel has no marks for stay nan
+            warnings.simplefilter("ignore", RuntimeWarning)
+            v = np.nanmean(np.array(e), axis=0)
+        us = lambda i: "/".join(f"{x / 1e3:.2f}" for x in v[i:i + 3])
+        print(f"| {label} | {v[0] / 1e3:.2f} | {v[1]:.0%} | {us(2)} | {us(5)} | {us(8)} | {us(11)} |")
 
 
 if __name__ == "__main__":
