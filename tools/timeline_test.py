@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Tests of tools/timeline.py on synthetic records (run by tools/test): launches that overlap in
 time are told apart by their grids' block counts, a launch whose blocks did not all record is
-closed by the kernel's next launch, and --keep writes a file the tool reads back."""
+closed by the kernel's next launch, --keep writes a file the tool reads back, and --spread's boundary, share and percentiles."""
+import contextlib
+import io
 import os
 import sys
 import tempfile
@@ -52,6 +54,23 @@ class LaunchesOf(unittest.TestCase):
             back, names = timeline.load(path)
         self.assertEqual(names, NAMES)
         self.assertEqual(back.tobytes(), np.concatenate([r for _, r in launches]).tobytes())
+
+
+class Spread(unittest.TestCase):
+    def test_boundary_share_and_percentiles(self):
+        # One step: embed (ends at 1000 ns), then gemv's two blocks, one started before embed ended;
+        # the next step's embed closes it.
+        recs = records([(0, 0, 1, 0, 0, 1000), (1, 0, 2, 500, 1300, 3000), (1, 1, 2, 1200, 1400, 3200),
+                        (0, 0, 1, 4000, 0, 4100)])
+        recs["mark"][1], recs["mark"][2] = 1500, 1600
+        launches = timeline.launches_of(recs, NAMES)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            timeline.spread(launches, [(0, 2)])
+        # release 1300 (the first wait), 300 ns after embed's end; waits 0 / 100, marks 200 / 300,
+        # ends 1700 / 1900 after it; the last block is block 1.
+        self.assertIn("| gemv [2 blocks] after embed | 0.30 | 50% | 0.05/0.09/0.10 | 0.25/0.29/0.30 | "
+                      "1.80/1.88/1.90 | 0.10/0.30/1.90 |", out.getvalue())
 
 
 if __name__ == "__main__":
