@@ -51,6 +51,11 @@ def release(r):
     return int(r["waited"][r["waited"] > 0].min()) if (r["waited"] > 0).any() else int(r["entry"].min())
 
 
+def waits(r):
+    """Each block's PDL wait returning, or its start for a kernel without one (ns, int64)."""
+    return np.where(r["waited"] > 0, r["waited"], r["entry"]).astype(np.int64)
+
+
 def launches_of(recs, names):
     """Groups records into launches. Kernels overlap under PDL (a grid may start before its
     predecessor ends), so a launch is not a run of one kernel in time: in order of the blocks'
@@ -108,7 +113,7 @@ def main():
             nxt = release(launches[s0 + j + 1][1])
             label = f"{name} [{len(r)} blocks] after {prev}"
             prev = name
-            waited = np.where(r["waited"] > 0, r["waited"], r["entry"]).astype(np.int64)
+            waited = waits(r)
             marks = r["mark"].astype(np.int64)
             e = rows.setdefault(label, {"n": 0, "lead": [], "crit": [], "gap": [], "late": [], "blk": [], "mark": []})
             e["n"] += 1
@@ -145,7 +150,7 @@ def spread(launches, steps):
             name, r = launches[j]
             prev_name, prev = launches[j - 1] if j > s0 else ("step start", None)
             t0 = release(r)
-            waited = np.where(r["waited"] > 0, r["waited"], r["entry"]).astype(np.int64) - t0
+            waited = waits(r) - t0
             end = r["end"].astype(np.int64) - t0
             marks = r["mark"].astype(np.int64)
             mark = marks[marks > 0] - t0
