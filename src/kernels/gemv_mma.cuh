@@ -367,8 +367,9 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
     mma_stage_x<kGemvMaxM, kNorm, 8>(xr, int(k), xs, int(mma_x_stride(k)));
   else
     mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
+  NIBBLE_TIMELINE_MARK_AT(1);  // thread 0's share of the row staged
   __syncthreads();
-  NIBBLE_TIMELINE_MARK();
+  NIBBLE_TIMELINE_MARK_AT(0);  // the row staged
   pdl_trigger_at<kSite, kWhere>(kPdlAfterInput);
   if (io.staged_out && blockIdx.x == 0) {  // the staged rows for a 4-bit router's gate/up (GemvIo)
     const int units = int(k / 8);
@@ -378,6 +379,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   }
   float acc[kMmaChains][4] = {};
   tile.finish(w, mma_x_units(xs, k, m), acc);
+  NIBBLE_TIMELINE_MARK_AT(2);  // warp 0's products done
   pdl_trigger_at<kSite, kWhere>(kPdlAfterProducts);
   __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
   const float4 d = mma_chains_sum(acc);
@@ -397,6 +399,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
       fold.xg[gemv_mma_x_half(row0 + r)] = __float2half_rn(gamma * h * (1.f / kRouterFoldRowInvScale));
     });
     __syncthreads();
+    NIBBLE_TIMELINE_MARK_AT(3);  // the rows stored, before the router's shares
     fold_rows.add(fold, s_gh, s_hh);
   }
 }
@@ -631,6 +634,7 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) NIBBLE_MOE_DOWN_MAX_REGIST
   Int4Weight wd{};
   if (s < top_k) {
     wd = down[moe_down_expert<kFolded>(tok_logits, ids, racc, n_experts, normalize, s, tok, top_k, s_logit, &s_sum)];
+    NIBBLE_TIMELINE_MARK_AT(1);  // warp 0's expert and descriptor known (before the wait)
     tile.start(wd, tile0, hidden, inter, 0);
   }
   // The residual this adds to was last written before the router, two launches back.
@@ -642,10 +646,11 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) NIBBLE_MOE_DOWN_MAX_REGIST
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
   copy_staged_rows(act + tok * top_k * inter, int(top_k), inter, mma_x_stride(inter), xs);
   __syncthreads();
-  NIBBLE_TIMELINE_MARK();
+  NIBBLE_TIMELINE_MARK_AT(0);  // the activations staged
   pdl_trigger_at<kPdlDown, kPdlAfterInput>(kPdlAfterInput);
   float acc[kMmaChains][4] = {};
   if (s < top_k) tile.finish(wd, mma_x_units(xs + s * mma_x_stride(inter), inter, 1), acc);
+  NIBBLE_TIMELINE_MARK_AT(2);  // warp 0's products done
   pdl_trigger_at<kPdlDown, kPdlAfterInput>(kPdlAfterProducts);
   __shared__ float partial[kMoeDownSlots][16];
   const float4 d = mma_chains_sum(acc);
