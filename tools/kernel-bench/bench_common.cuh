@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +29,20 @@ __global__ void fill_bytes_kernel(uint8_t* p, int64_t count, uint32_t seed, uint
     h *= 0x5bd1e995u;
     p[i] = uint8_t(lo + (h >> 8) % span);
   }
+}
+
+// The device's nanosecond clock (%globaltimer), comparable across SMs, for in-kernel stamps.
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The median of v (reordered in place; v not empty).
+template <typename T>
+T median(std::vector<T>& v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
 }
 
 // Copies of a weight that together are more than L2 holds, so a launch reads from DRAM as in a

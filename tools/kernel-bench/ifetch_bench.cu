@@ -19,12 +19,6 @@
 
 namespace {
 
-__device__ __forceinline__ unsigned long long now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // N FMAs in 8 independent chains, straight-line, run twice; t[3 a block]: start, after pass 1, after pass 2.
 template <int N>
 __global__ void __launch_bounds__(32) straight_kernel(float* out, unsigned long long* t) {
@@ -33,12 +27,12 @@ __global__ void __launch_bounds__(32) straight_kernel(float* out, unsigned long 
   for (int c = 0; c < 8; ++c) x[c] = float(threadIdx.x + c);
   const float a = 1.0001f, b = 0.5f;
   unsigned long long stamp[3];
-  stamp[0] = now();
+  stamp[0] = kernel_bench::globaltimer_ns();
 #pragma unroll 1
   for (int pass = 0; pass < 2; ++pass) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("fma.rn.f32 %0, %0, %1, %2;" : "+f"(x[i % 8]) : "f"(a), "f"(b));
-    stamp[pass + 1] = now();
+    stamp[pass + 1] = kernel_bench::globaltimer_ns();
   }
   float s = 0.f;
 #pragma unroll
@@ -88,12 +82,8 @@ void measure(const char* label, int blocks, cudaStream_t s, float* out, unsigned
       second.push_back(double(h[b * 3 + 2] - h[b * 3 + 1]) / 1e3);
     }
   }
-  auto median = [](std::vector<double>& v) {
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    return v[v.size() / 2];
-  };
-  std::printf("| %s | %d | %d KB | %.2f | %.2f | %.2f |\n", label, N, N * 16 / 1024, median(first), median(second),
-              median(first) - median(second));
+  const double a = kernel_bench::median(first), b = kernel_bench::median(second);
+  std::printf("| %s | %d | %d KB | %.2f | %.2f | %.2f |\n", label, N, N * 16 / 1024, a, b, a - b);
 }
 
 }  // namespace

@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <string>
 #include <vector>
 
 #include "bench_common.cuh"
@@ -36,12 +35,6 @@ const char* const kModeNames[kModes] = {"idle", "same SM", "same warp", "other S
 constexpr int kWeightWarps = 7, kChain = 8;
 constexpr int kHotStride = 32;  // uint32 entries: 128 bytes, a line each
 
-__device__ __forceinline__ unsigned long long now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // t[3 a block]: the probe's chain ns, the weights' landing ns after the block's start, the chain's result.
 template <int L>
 __global__ void __launch_bounds__(32 * (1 + kWeightWarps)) probe_kernel(const uint4* __restrict__ cold,
@@ -53,7 +46,7 @@ __global__ void __launch_bounds__(32 * (1 + kWeightWarps)) probe_kernel(const ui
   __shared__ __align__(8) uint64_t bar;
   __shared__ unsigned long long s_landed;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const unsigned long long t0 = now();
+  const unsigned long long t0 = kernel_bench::globaltimer_ns();
   const bool probe_block = int(blockIdx.x) < probe_blocks;
   const bool loads_here = mode == kSameSm || mode == kSameSmNc || mode == kSameSmTma || (mode == kOtherSms && !probe_block);
   if (threadIdx.x == 0) {
@@ -92,20 +85,20 @@ __global__ void __launch_bounds__(32 * (1 + kWeightWarps)) probe_kernel(const ui
   if (warp == 0) {
     // spin_ns: let the other SMs' blocks issue theirs too (they start within a few hundred ns of
     // each other); 0: the probe's first line asked for right behind its block's weights.
-    while (now() - t0 < unsigned(spin_ns)) {
+    while (kernel_bench::globaltimer_ns() - t0 < unsigned(spin_ns)) {
     }
     uint32_t idx = 0;
-    const unsigned long long a = now();
+    const unsigned long long a = kernel_bench::globaltimer_ns();
     if (lane == 0)
 #pragma unroll 1
       for (int c = 0; c < kChain; ++c) idx = __ldcg(hot + idx * kHotStride);
     idx = __shfl_sync(0xffffffffu, idx, 0);
-    const unsigned long long b = now();
+    const unsigned long long b = kernel_bench::globaltimer_ns();
     if (lane == 0 && probe_block) t[blockIdx.x * 3 + 0] = b - a, t[blockIdx.x * 3 + 2] = idx;
     if (mode == kSameWarp && probe_block) {
 #pragma unroll
       for (int i = 0; i < L; ++i) acc ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
-      if (lane == 0) atomicMax(&s_landed, now() - t0);
+      if (lane == 0) atomicMax(&s_landed, kernel_bench::globaltimer_ns() - t0);
     }
   } else if (loads_here) {
     if (mode == kSameSmTma) {
@@ -115,16 +108,11 @@ __global__ void __launch_bounds__(32 * (1 + kWeightWarps)) probe_kernel(const ui
 #pragma unroll
       for (int i = 0; i < L; ++i) acc ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
     }
-    if (lane == 0) atomicMax(&s_landed, now() - t0);
+    if (lane == 0) atomicMax(&s_landed, kernel_bench::globaltimer_ns() - t0);
   }
   __syncthreads();
   if (threadIdx.x == 0 && probe_block) t[blockIdx.x * 3 + 1] = s_landed;
   if (acc == 0x12345678u) out[0] = 1.f;
-}
-
-double median(std::vector<double>& v) {
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return v[v.size() / 2];
 }
 
 template <int L>
@@ -149,8 +137,12 @@ void measure(int sms, int spin_ns, const uint4* cold, int64_t cold_units, const 
       }
     }
     const double mb = double(per_launch) * 16 * kWeightWarps / (kWeightWarps + 1) / 1e6;
-    std::printf("| %s | %d | %.1f | %.3f | %s |\n", kModeNames[mode], L, mode == kIdle ? 0.0 : mb, median(chain),
-                mode == kIdle || mode == kOtherSms ? "" : (std::to_string(median(landed)).substr(0, 5)).c_str());
+    std::printf("| %s | %d | %.1f | %.3f |", kModeNames[mode], L, mode == kIdle ? 0.0 : mb,
+                kernel_bench::median(chain));
+    if (mode == kIdle || mode == kOtherSms)
+      std::printf("  |\n");  // no weight warps on the probes' SMs
+    else
+      std::printf(" %.2f |\n", kernel_bench::median(landed));
   }
 }
 

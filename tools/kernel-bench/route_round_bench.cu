@@ -227,9 +227,7 @@ int main() {
   for (int s = 0; s < 8; ++s) {
     std::vector<long long> a, b;
     for (int t = 0; t < kTrials; ++t) a.push_back(hc[size_t(t * 8 + s) * 2]), b.push_back(hc[size_t(t * 8 + s) * 2 + 1]);
-    std::nth_element(a.begin(), a.begin() + a.size() / 2, a.end());
-    std::nth_element(b.begin(), b.begin() + b.size() / 2, b.end());
-    std::printf("| %d | %lld | %lld |\n", s, a[a.size() / 2], b[b.size() / 2]);
+    std::printf("| %d | %lld | %lld |\n", s, kernel_bench::median(a), kernel_bench::median(b));
   }
   // Three blocks an SM (shared memory), a wave of them.
   const int blocks = 3 * prop.multiProcessorCount, smem = int(prop.sharedMemPerMultiprocessor / 3 - 2048);
