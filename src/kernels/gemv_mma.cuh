@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/bulk_copy.cuh"
 #include "kernels/gemm_layout.h"
 #include "kernels/gemv.cuh"
 #include "kernels/int4_weight.cuh"
@@ -265,16 +266,21 @@ struct MmaTile {
 // as many per round: the registers are shared with the weights already in flight; a caller with
 // registers to spare takes more (kStageVec). (XRows::load, which normalises as it loads, measured
 // 3% slower here: the loads must all issue first.)
-template <int M, bool kNorm, int kStageVec = kNorm ? 2 : 4>
+// kOneRow: m = 1 (decode), so no division by the row's units: with one, ~30 instructions of
+// integer division a load stood between the PDL wait and the row's loads.
+template <int M, bool kNorm, int kStageVec = kNorm ? 2 : 4, bool kOneRow = false>
 __device__ __forceinline__ void mma_stage_x(const XRows<M, kNorm>& xr, int k, __half* xs, int xs_stride) {
-  const int per_row = k / 4, total = xr.m * per_row;
+  if constexpr (!kOneRow) {
+    if (xr.m == 1) return mma_stage_x<M, kNorm, kStageVec, true>(xr, k, xs, xs_stride);
+  }
+  const int per_row = k / 4, total = kOneRow ? per_row : xr.m * per_row;
   for (int base = threadIdx.x; base < total; base += kStageVec * blockDim.x) {
     float4 v[kStageVec], nw[kStageVec];
 #pragma unroll
     for (int j = 0; j < kStageVec; ++j) {
       const int idx = base + j * blockDim.x;
       if (idx < total) {
-        const int mi = idx / per_row, k0 = 4 * (idx % per_row);
+        const int mi = kOneRow ? 0 : idx / per_row, k0 = 4 * (kOneRow ? idx : idx % per_row);
         v[j] = *reinterpret_cast<const float4*>(xr.x + mi * xr.stride + k0);
         if constexpr (kNorm) nw[j] = *reinterpret_cast<const float4*>(xr.norm + k0);
       }
@@ -283,7 +289,7 @@ __device__ __forceinline__ void mma_stage_x(const XRows<M, kNorm>& xr, int k, __
     for (int j = 0; j < kStageVec; ++j) {
       const int idx = base + j * blockDim.x;
       if (idx >= total) break;
-      const int mi = idx / per_row, k0 = 4 * (idx % per_row);
+      const int mi = kOneRow ? 0 : idx / per_row, k0 = 4 * (kOneRow ? idx : idx % per_row);
       float f[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
       if constexpr (kNorm) {
         const float inv = xr.inv[mi], w[4] = {nw[j].x, nw[j].y, nw[j].z, nw[j].w};
@@ -329,6 +335,35 @@ __device__ __forceinline__ const uint2* mma_x_units(const __half* xs, int64_t k,
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   return g < m ? reinterpret_cast<const uint2*>(xs + g * mma_x_stride(k)) + t : nullptr;
 }
+
+// Rows already staged as f16 in mma order by their producer (MoE gate/up's activations for down,
+// the folded o projection's row for gate/up), copied into shared memory after the PDL wait by
+// bulk copies instead of 16-byte loads and stores a thread: one instruction a row, issued by one
+// thread, completed on an mbarrier, so no integer division, register round trip or load rounds
+// stand between the wait and the row (BENCHMARKS.md: a 16 KB row staged this way arrived 0.19 µs
+// sooner under a weight burst, tools/kernel-bench/param_bench.cu). sm_90+ (elsewhere the 16-byte
+// copies). Protocol: thread 0 calls init before the wait and the block synchronises before any
+// thread calls wait; thread 0 calls issue after the wait.
+struct StagedRowsBulk {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static constexpr bool kOn = true;
+#else
+  static constexpr bool kOn = false;
+#endif
+  uint64_t* bar;
+
+  __device__ __forceinline__ void init() const {
+    mbarrier_init(bar, 1);
+    fence_barrier_init();
+  }
+  // rows rows of `halves` each (a multiple of 8), contiguous from src, to dst rows `stride` halves apart.
+  __device__ __forceinline__ void issue(const __half* src, int rows, int64_t halves, int64_t stride,
+                                        __half* dst) const {
+    mbarrier_arrive_expect(bar, uint32_t(rows * halves * 2));
+    for (int r = 0; r < rows; ++r) bulk_load(dst + r * stride, src + r * halves, uint32_t(halves * 2), bar);
+  }
+  __device__ __forceinline__ void wait() const { mbarrier_wait(bar, 0); }
+};
 
 // y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b), m <= kGemvMaxM. A block has NTB 16-row tiles × KS warps
 // along K; warp (nt, kw) takes groups kw, kw + KS, ... of tile nt.
@@ -468,6 +503,13 @@ __global__ void __launch_bounds__(64 * KS, kMoeGateUpMinBlocks<CPG, KS>) moe_gat
     XRows<1, kNorm> xr{x + (slot / top_k) * hidden, hidden, 1, norm, {}};
     mma_stage_x_normed(xr, int(hidden), eps, xs, int(mma_x_stride(hidden)));
   }
+  // Folded (xn is always staged then) on sm_90, the row comes by one bulk copy (StagedRowsBulk):
+  // its barrier is initialised here, and the barrier after the routing orders that before any
+  // thread waits on it. A compile-time choice: the other path's loads kept beside it spilled.
+  constexpr bool kXnByBulk = StagedRowsBulk::kOn && kFolded;
+  __shared__ uint64_t xn_bar;
+  const StagedRowsBulk xn_bulk{&xn_bar};
+  if (kXnByBulk && threadIdx.x == 0) xn_bulk.init();
   NIBBLE_TIMELINE_MARK_AT(0);  // x staged (without xn), before the wait
   // The experts come from the router, the previous kernel. Down is released once the row is in
   // shared memory, so its weight loads do not queue ahead of the routing's logit reads.
@@ -475,7 +517,9 @@ __global__ void __launch_bounds__(64 * KS, kMoeGateUpMinBlocks<CPG, KS>) moe_gat
   NIBBLE_TIMELINE_WAITED();
   constexpr int kXnUnits = 2;  // 16-byte units a thread in the first pass
   const int xn_units = int(hidden / 8);
-  const uint4* xn_row = xn ? reinterpret_cast<const uint4*>(xn + (slot / top_k) * hidden) : nullptr;
+  const uint4* xn_row =
+      xn && !kXnByBulk ? reinterpret_cast<const uint4*>(xn + (slot / top_k) * hidden) : nullptr;
+  if (kXnByBulk && threadIdx.x == 0) xn_bulk.issue(xn + (slot / top_k) * hidden, 1, hidden, 0, xs);
   uint4 xu[kXnUnits];
 #pragma unroll
   for (int j = 0; j < kXnUnits; ++j) {
@@ -511,6 +555,7 @@ __global__ void __launch_bounds__(64 * KS, kMoeGateUpMinBlocks<CPG, KS>) moe_gat
       reinterpret_cast<uint4*>(xs)[u] = __ldcg(xn_row + u);
   }
   __syncthreads();  // the tables and the staged row
+  if (kXnByBulk) xn_bulk.wait();
   NIBBLE_TIMELINE_MARK_AT(2);  // the row in shared memory, before the first weight load
   pdl_trigger_at<kPdlGateUp, kPdlAfterInput>(kPdlAfterInput);
   const bool routed = kFolded || logits;
@@ -640,12 +685,24 @@ __global__ void __launch_bounds__(32 * kMoeDownSlots) NIBBLE_MOE_DOWN_MAX_REGIST
   // The residual this adds to was last written before the router, two launches back.
   const bool mine = threadIdx.x < 16 && tile0 + threadIdx.x < hidden;
   const float prev = accumulate && mine ? out[tok * hidden + tile0 + threadIdx.x] : 0.f;
+  // The slots' activation rows are already f16 in mma order: bulk copies on sm_90
+  // (StagedRowsBulk), 16-byte copies elsewhere.
+  __shared__ uint64_t act_bar;
+  const StagedRowsBulk act_bulk{&act_bar};
+  if constexpr (StagedRowsBulk::kOn) {
+    if (threadIdx.x == 0) act_bulk.init();
+    __syncthreads();
+  }
   pdl_enter_at<kPdlDown, kPdlAfterInput>();  // the next q/k/v's weight loads after the act copy
   NIBBLE_TIMELINE_WAITED();
-  // The slots' activation rows are already f16 in mma order: 16-byte copies.
   __half* xs = reinterpret_cast<__half*>(dynamic_smem());
-  copy_staged_rows(act + tok * top_k * inter, int(top_k), inter, mma_x_stride(inter), xs);
-  __syncthreads();
+  if constexpr (StagedRowsBulk::kOn) {
+    if (threadIdx.x == 0) act_bulk.issue(act + tok * top_k * inter, int(top_k), inter, mma_x_stride(inter), xs);
+    act_bulk.wait();
+  } else {
+    copy_staged_rows(act + tok * top_k * inter, int(top_k), inter, mma_x_stride(inter), xs);
+    __syncthreads();
+  }
   NIBBLE_TIMELINE_MARK_AT(0);  // the activations staged
   pdl_trigger_at<kPdlDown, kPdlAfterInput>(kPdlAfterInput);
   float acc[kMmaChains][4] = {};
