@@ -98,7 +98,19 @@ __device__ __forceinline__ void block_inv_rms(XRows<M, kNorm>& xr, int64_t k, fl
 // order, so both give the same bits. Returns false, having done nothing, when the row needs more
 // than kUnits units per thread (callers then take the two passes). Every thread must call it;
 // callers synchronise before reading what put wrote.
-template <int kUnits, typename Put>
+// A 16-byte load through a generic address (LD, not LDG), volatile so that it keeps its place
+// after the PDL wait. ptxas issues a staged row's generic loads all before their first use, where
+// it split the same global loads (LDG) into rounds under register pressure, a second L2 trip
+// after the wait (tools/kernel-bench/param_bench.cu: 0.16 µs of a 16 KB row's staging under a
+// weight burst, BENCHMARKS.md).
+__device__ __forceinline__ float4 load_f4_generic(const float* p) {
+  float4 v;
+  asm volatile("ld.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+
+// kGeneric: the loads by load_f4_generic.
+template <int kUnits, bool kGeneric = false, typename Put>
 __device__ __forceinline__ bool stage_row_one_pass(const float* __restrict__ x, const float* __restrict__ norm,
                                                    int64_t k, float eps, Put&& put) {
   const int per_row = int(k / 4);
@@ -109,8 +121,8 @@ __device__ __forceinline__ bool stage_row_one_pass(const float* __restrict__ x, 
   for (int j = 0; j < kUnits; ++j) {
     const int idx = int(threadIdx.x) + j * int(blockDim.x);
     if (idx < per_row) {
-      v[j] = reinterpret_cast<const float4*>(x)[idx];
-      w[j] = reinterpret_cast<const float4*>(norm)[idx];
+      v[j] = kGeneric ? load_f4_generic(x + 4 * idx) : reinterpret_cast<const float4*>(x)[idx];
+      w[j] = kGeneric ? load_f4_generic(norm + 4 * idx) : reinterpret_cast<const float4*>(norm)[idx];
     }
   }
   float ss = 0.f;

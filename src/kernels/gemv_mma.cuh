@@ -281,8 +281,13 @@ __device__ __forceinline__ void mma_stage_x(const XRows<M, kNorm>& xr, int k, __
       const int idx = base + j * blockDim.x;
       if (idx < total) {
         const int mi = kOneRow ? 0 : idx / per_row, k0 = 4 * (kOneRow ? idx : idx % per_row);
-        v[j] = *reinterpret_cast<const float4*>(xr.x + mi * xr.stride + k0);
-        if constexpr (kNorm) nw[j] = *reinterpret_cast<const float4*>(xr.norm + k0);
+        if constexpr (kOneRow) {  // decode: the row's loads in one round (load_f4_generic)
+          v[j] = load_f4_generic(xr.x + k0);
+          if constexpr (kNorm) nw[j] = load_f4_generic(xr.norm + k0);
+        } else {
+          v[j] = *reinterpret_cast<const float4*>(xr.x + mi * xr.stride + k0);
+          if constexpr (kNorm) nw[j] = *reinterpret_cast<const float4*>(xr.norm + k0);
+        }
       }
     }
 #pragma unroll
@@ -317,7 +322,7 @@ __device__ __forceinline__ void mma_stage_x_normed(XRows<M, kNorm>& xr, int k, f
       dst[0] = __float2half_rn(u.x), dst[4] = __float2half_rn(u.y);
       dst[8] = __float2half_rn(u.z), dst[12] = __float2half_rn(u.w);
     };
-    if (xr.m == 1 && stage_row_one_pass<kMmaOnePassUnits>(xr.x, xr.norm, k, eps, put)) return;
+    if (xr.m == 1 && stage_row_one_pass<kMmaOnePassUnits, true>(xr.x, xr.norm, k, eps, put)) return;
   }
   block_inv_rms(xr, k, eps);
   mma_stage_x(xr, k, xs, xs_stride);

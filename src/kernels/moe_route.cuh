@@ -279,9 +279,15 @@ __device__ __forceinline__ float route_softmax_sum(const float* __restrict__ l, 
 // The kernel after MoE down (the next q/k/v GEMV, GemvIo::clear) zeroes them for the next step:
 // by its wait both readers, gate/up and down, are done. (So for gpt-oss-20b's MXFP4 experts; with
 // a routing launch after o, that launch is the one reader and zeroes them itself: router_fold.cuh.)
+// replicas is a power of two: a reader finds its copy with a mask, since a modulo's ~20
+// instructions of integer division sat between gate/up's PDL wait and its sums' load.
 struct RouterAcc {
   unsigned long long* sums;  // [replicas][stride]
-  int replicas;
+  int replicas;              // a power of two
+  // This block's copy.
+  __device__ __forceinline__ const unsigned long long* copy() const {
+    return sums + int64_t(blockIdx.x & unsigned(replicas - 1)) * stride;
+  }
   int64_t stride;  // >= n_experts + 1
   int64_t hidden;
   float eps;
@@ -297,10 +303,10 @@ __device__ __forceinline__ unsigned long long router_acc_fixed(float v, float sc
   return static_cast<unsigned long long>(__float2ll_rn(fminf(fmaxf(v * scale, -lim), lim)));
 }
 
-// Entry i of copy blockIdx.x mod replicas (through L2: written by another kernel's atomics):
+// Entry i of this block's copy (through L2: written by another kernel's atomics):
 // hundreds of expert blocks read the sums at once, each copy on lines of its own.
 __device__ __forceinline__ float router_acc_entry(const RouterAcc& a, int64_t i) {
-  const unsigned long long s = __ldcg(a.sums + (blockIdx.x % a.replicas) * a.stride + i);
+  const unsigned long long s = __ldcg(a.copy() + i);
   return float(static_cast<long long>(s));
 }
 
@@ -327,7 +333,7 @@ __device__ __forceinline__ float router_acc_lane_logits(const RouterAcc& a, cons
                                                         int64_t n_experts, float (&v)[kMaxPerLane]) {
   static_assert(kMaxPerLane <= 4);
   const int lane = threadIdx.x % 32;
-  const unsigned long long* sums = a.sums + (blockIdx.x % a.replicas) * a.stride;
+  const unsigned long long* sums = a.copy();
   unsigned long long raw[kMaxPerLane];
   float b[kMaxPerLane];
 #pragma unroll

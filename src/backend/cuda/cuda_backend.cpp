@@ -1231,12 +1231,15 @@ class CudaBackend final : public Backend {
     int64_t fold_stride = 0;
   };
   // Copies of the folded router's sums (every o block adds to each; expert block b reads copy b
-  // mod n): one measured best (kernels/moe_route.cuh). NIBBLE_ROUTER_FOLD_REPLICAS=n (1..16) for
-  // A/B runs.
+  // mod n): one measured best (kernels/moe_route.cuh). NIBBLE_ROUTER_FOLD_REPLICAS=n (1..16, down
+  // to a power of two, as the readers' mask needs) for A/B runs.
   static int router_fold_replicas() {
     static const int n = [] {
       const char* env = std::getenv("NIBBLE_ROUTER_FOLD_REPLICAS");
-      return env ? std::clamp(std::atoi(env), 1, 16) : 1;
+      const int want = env ? std::clamp(std::atoi(env), 1, 16) : 1;
+      int pow2 = 1;
+      while (2 * pow2 <= want) pow2 *= 2;
+      return pow2;
     }();
     return n;
   }

@@ -76,7 +76,7 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
 // before the o GEMV that adds into them; cleared after the MoE block (GemvIo::clear).
 struct RouterAcc {
   unsigned long long* sums = nullptr;
-  int replicas = 1;
+  int replicas = 1;  // a power of two (kernels/moe_route.cuh RouterAcc)
   int64_t stride = 0;
 };
 // y[1, n] += x · Wᵀ (+ b) for one token with the router [n_experts, n] (16-bit: bf16 when
