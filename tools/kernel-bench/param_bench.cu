@@ -59,6 +59,7 @@ constexpr int kCluster = 4;  // kMulticast: blocks a cluster, each copying a qua
 
 namespace kernels = nibble::kernels;
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 __device__ __forceinline__ float4 ld_f4(const float* p) {
   float4 v;
   asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
@@ -81,9 +82,11 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+#endif
 
 template <int PAD, int V, bool kWeights>
 __global__ void __launch_bounds__(kThreads) phase_kernel(Params<PAD> p) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // PDL, bulk copies and clusters: sm_90+ (main checks)
   __shared__ alignas(128) float row[kRow];
   __shared__ uint64_t bar;
   const int tid = threadIdx.x;
@@ -172,6 +175,9 @@ __global__ void __launch_bounds__(kThreads) phase_kernel(Params<PAD> p) {
     p.stamps[2 * blockIdx.x] = t_wait;
     p.stamps[2 * blockIdx.x + 1] = t_staged;
   }
+#else
+  __trap();
+#endif
 }
 
 struct Result {
@@ -243,6 +249,13 @@ Result run(cudaStream_t stream, const uint4* pool, int64_t pool_units, float* ac
 }  // namespace
 
 int main() {
+  int device = 0, major = 0;
+  BENCH_CHECK(cudaGetDevice(&device));
+  BENCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major < 9) {
+    std::fprintf(stderr, "param_bench: needs sm_90 or newer (PDL, bulk copies, clusters)\n");
+    return 1;
+  }
   cudaStream_t stream;
   BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const int64_t pool_bytes = int64_t(300) * kPhaseBytes;  // 1.26 GB: L2 turns over every step
