@@ -91,13 +91,6 @@ __device__ __forceinline__ void block_inv_rms(XRows<M, kNorm>& xr, int64_t k, fl
   }
 }
 
-// One pass over a single activation row (m == 1, the batch-1 decode): each thread loads its
-// float4 units of x and of the norm weight (at most kUnits), the block sums the squares from
-// registers, and put(k0, unit) is called with each unit normalised. That is one L2 round trip
-// where block_inv_rms followed by a staging pass takes two. The sums run in block_inv_rms's
-// order, so both give the same bits. Returns false, having done nothing, when the row needs more
-// than kUnits units per thread (callers then take the two passes). Every thread must call it;
-// callers synchronise before reading what put wrote.
 // A 16-byte load through a generic address (LD, not LDG), volatile so that it keeps its place
 // after the PDL wait. ptxas issues a staged row's generic loads all before their first use, where
 // it split the same global loads (LDG) into rounds under register pressure, a second L2 trip
@@ -109,7 +102,13 @@ __device__ __forceinline__ float4 load_f4_generic(const float* p) {
   return v;
 }
 
-// kGeneric: the loads by load_f4_generic.
+// One pass over a single activation row (m == 1, the batch-1 decode): each thread loads its
+// float4 units of x and of the norm weight (at most kUnits), the block sums the squares from
+// registers, and put(k0, unit) is called with each unit normalised. That is one L2 round trip
+// where block_inv_rms followed by a staging pass takes two. The sums run in block_inv_rms's
+// order, so both give the same bits. Returns false, having done nothing, when the row needs more
+// than kUnits units per thread (callers then take the two passes). Every thread must call it;
+// callers synchronise before reading what put wrote. kGeneric: the loads by load_f4_generic.
 template <int kUnits, bool kGeneric = false, typename Put>
 __device__ __forceinline__ bool stage_row_one_pass(const float* __restrict__ x, const float* __restrict__ norm,
                                                    int64_t k, float eps, Put&& put) {
