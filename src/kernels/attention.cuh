@@ -138,47 +138,78 @@ __device__ __forceinline__ void decode_store_split(float* __restrict__ out, floa
   *reinterpret_cast<decltype(v)*>(dst) = v;
 }
 
-// The merge of a (token, kv head)'s split partials, run by the last of its splits holding
-// positions (splits first .. n_active - 1, the first past a sliding window's start; a counter per
-// pair, reset here), so there is no merge launch. Each thread
-// owns one float4 of one head's output and walks the splits once with an online softmax: per
-// batch of kMergeBatch splits all (max, sum) pairs and partial vectors are loaded at once
-// (independent 8- and 16-byte loads, the same addresses across a head's threads), so 33 splits
-// cost 3 L2 round trips. (A max pass, a sum pass, a shared weights pass and then the sums took
-// ~10 round trips.) Called by every thread of the block.
+// A 32-bit load with acquire semantics at GPU scope: a merger's poll of its pair's arrivals.
+__device__ __forceinline__ unsigned load_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The merge of a (token, kv head)'s split partials, run by the last `mergers` of its splits
+// holding positions to arrive (splits first .. n_active - 1, the first past a sliding window's
+// start), so there is no merge launch. Merger i takes the pair's heads i, i + mergers, ...; all but
+// the last to arrive poll the pair's arrival count until every split's partial is stored. Why
+// several: one block reading every head's partials (33 splits x 8 heads x 528 bytes at depth 8192,
+// 139 KB) while the o GEMV's weights stream kept decode attention ~5 µs past its other blocks
+// (in-kernel timeline, BENCHMARKS.md); with a head a merger each reads 17 KB. Polling blocks only
+// wait for blocks that are resident or will be (the caller keeps pairs x mergers at most half the
+// SMs, and the PDL successor launches only once every block has triggered), so none waits forever.
+// Counters: counters[pair] the arrivals, counters[pairs + pair] the mergers done with them; the
+// last merger done resets both.
+// Within a merger the threads are units of HD / 4 (one float4 of a head each); with fewer heads
+// than units, a head's splits are dealt round-robin to SG units, each walking its splits with an
+// online softmax (kMergeBatch loads at once), and the units' results are combined in unit order
+// through shared memory, so the bits do not depend on arrival order (kSpread; without it a unit
+// walks all of a head's splits, which needs no shared memory). Called by every thread.
 constexpr int kMergeBatch = 16;
 
-template <int G, int HD, int kThreads>
+template <int G, int HD, int kThreads, bool kSpread = true>
 __device__ void decode_merge_last_split(const float* __restrict__ partial, float* __restrict__ out,
                                         unsigned* __restrict__ counters, int64_t t, int64_t kv, int64_t group,
                                         int64_t n_head, int64_t n_splits, int64_t first, int64_t n_active,
-                                        const AttentionMods& mods) {
-  __shared__ bool last;
+                                        const AttentionMods& mods, int mergers) {
+  constexpr int kLanes = HD / 4, kUnits = kThreads / kLanes;
+  static_assert(kThreads % kLanes == 0);
+  __shared__ int s_merger;
   const int tid = threadIdx.x;
+  const unsigned n = unsigned(n_active - first), r_count = ::min(unsigned(::max(mergers, 1)), n);
+  unsigned* arrived = counters + blockIdx.x;
+  unsigned* done = counters + gridDim.x + blockIdx.x;
   __syncthreads();
   if (tid == 0) {
     __threadfence();
-    last = atomicAdd(&counters[blockIdx.x], 1u) == unsigned(n_active - first) - 1;
+    const unsigned rank = atomicAdd(arrived, 1u);
+    const int merger = int(rank) - int(n - r_count);  // < 0: not a merger
+    if (merger >= 0) {
+      if (rank != n - 1)
+        while (load_acquire_gpu(arrived) < n) {
+        }
+      if (r_count == 1 || atomicAdd(done, 1u) == r_count - 1) *arrived = 0, *done = 0;
+    }
+    s_merger = merger;
   }
   __syncthreads();
-  if (!last) return;
+  const int merger = s_merger;
+  if (merger < 0) return;
   __threadfence();
   constexpr float kInf = __builtin_huge_valf();
-  for (int i = tid; i < G * HD / 4; i += kThreads) {
-    const int h = i / (HD / 4), d4 = i % (HD / 4);
-    if (h >= group) continue;
-    const int64_t head = t * n_head + kv * group + h;
+  const int heads = int((group - merger + r_count - 1) / r_count);  // heads merger, merger + r_count, ...
+  const int sg_count = kSpread ? ::max(1, kUnits / ::max(heads, 1)) : 1;  // units a head
+  const int unit = tid / kLanes, d4 = tid % kLanes, sg = unit % sg_count;
+  // This unit's splits first + sg, first + sg + sg_count, ... of head slot hs, online.
+  auto walk = [&](int hs, float& mx, float& l, float4& o) {
+    const int64_t head = t * n_head + kv * group + merger + int64_t(hs) * r_count;
     const float* p = partial + head * n_splits * decode_partial_stride(HD);
-    float mx = -kInf, l = 0.f;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int64_t s0 = first; s0 < n_active; s0 += kMergeBatch) {
+    mx = -kInf, l = 0.f, o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int64_t s0 = first + sg; s0 < n_active; s0 += int64_t(kMergeBatch) * sg_count) {
       float2 ml[kMergeBatch];
       float4 v[kMergeBatch];
 #pragma unroll
       for (int j = 0; j < kMergeBatch; ++j) {
-        const float* ps = p + (s0 + j) * decode_partial_stride(HD);
-        ml[j] = s0 + j < n_active ? __ldcg(reinterpret_cast<const float2*>(ps)) : make_float2(-kInf, 0.f);
-        v[j] = s0 + j < n_active ? __ldcg(reinterpret_cast<const float4*>(ps + 4) + d4) : o;
+        const int64_t s = s0 + int64_t(j) * sg_count;
+        const float* ps = p + s * decode_partial_stride(HD);
+        ml[j] = s < n_active ? __ldcg(reinterpret_cast<const float2*>(ps)) : make_float2(-kInf, 0.f);
+        v[j] = s < n_active ? __ldcg(reinterpret_cast<const float4*>(ps + 4) + d4) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
       for (int j = 0; j < kMergeBatch; ++j) {
@@ -189,6 +220,9 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
         mx = m2;
       }
     }
+  };
+  auto finish = [&](int hs, float mx, float l, float4 o) {
+    const int64_t h = merger + int64_t(hs) * r_count;
     const float sink = sink_logit(mods, kv * group + h);
     if (sink != -kInf) {  // the sink joins the denominator (with_sink, for a float4)
       const float m2 = fmaxf(mx, sink), a = expf(mx - m2);
@@ -196,9 +230,41 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
       o = make_float4(o.x * a, o.y * a, o.z * a, o.w * a);
     }
     const float inv = 1.f / l;
-    reinterpret_cast<float4*>(out + head * HD)[d4] = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+    reinterpret_cast<float4*>(out + (t * n_head + kv * group + h) * HD)[d4] =
+        make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+  };
+  if (sg_count == 1) {
+    for (int hs = unit; hs < heads; hs += kUnits) {
+      float mx, l;
+      float4 o;
+      walk(hs, mx, l, o);
+      finish(hs, mx, l, o);
+    }
+    return;
   }
-  if (tid == 0) counters[blockIdx.x] = 0;
+  if constexpr (kSpread) {
+    // sg_count > 1: heads <= kUnits / 2, one slot a unit at most.
+    __shared__ float s_mx[kThreads], s_l[kThreads];
+    __shared__ __align__(16) float4 s_o[kThreads];
+    const int hs = unit / sg_count;
+    const bool active = hs < heads;
+    float mx = -kInf, l = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (active) walk(hs, mx, l, o);
+    s_mx[tid] = mx, s_l[tid] = l, s_o[tid] = o;
+    __syncthreads();
+    if (!active || sg != 0) return;
+    for (int j = 1; j < sg_count; ++j) {  // units unit + j: the same head, dims d4
+      const int i = tid + j * kLanes;
+      if (!(s_l[i] > 0.f)) continue;
+      const float m2 = fmaxf(mx, s_mx[i]), a = expf(mx - m2), b = expf(s_mx[i] - m2);
+      const float4 v = s_o[i];
+      l = l * a + s_l[i] * b;
+      o = make_float4(o.x * a + v.x * b, o.y * a + v.y * b, o.z * a + v.z * b, o.w * a + v.w * b);
+      mx = m2;
+    }
+    finish(hs, mx, l, o);
+  }
 }
 
 // Before pdl_wait: fetch into L2 the K/V rows of a split's positions [begin, begin + split) that
@@ -340,8 +406,8 @@ attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k
                            s_max[h], s_sum[h], sink_logit(mods, kv * group + h));
   }
   if (n_splits == 1) return;
-  decode_merge_last_split<G, HD, kDecodeThreads>(partial, out, counters, t, kv, group, n_head, n_splits, 0, n_splits,
-                                                 mods);
+  decode_merge_last_split<G, HD, kDecodeThreads, false>(partial, out, counters, t, kv, group, n_head, n_splits, 0,
+                                                        n_splits, mods, 1);
 }
 
 // Decode attention on the tensor cores for f16 or FP8 E4M3 KV (T; E4M3 converted to f16 exactly as
@@ -395,7 +461,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
                            float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
                            const int32_t* __restrict__ positions, int64_t n_head, int64_t n_head_kv,
                            float scale_log2, int64_t n_splits, AttentionMods mods, AttentionPrologue pro,
-                           T* __restrict__ k_out, T* __restrict__ v_out) {
+                           T* __restrict__ k_out, T* __restrict__ v_out, int mergers) {
   static_assert(HD == 64 || HD == 128);
   static_assert(SPLIT % (WARPS * kDecodeTcTile) == 0 && (ROWS == 8 || ROWS == 16));
   constexpr int kDecodeTcWarps = WARPS;
@@ -693,7 +759,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   NIBBLE_TIMELINE_MARK_AT(7);  // the outputs stored
   if (only) return;
   decode_merge_last_split<ROWS, HD, kThreads>(partial, out, counters, t, kv, group, n_head, n_splits, first_split,
-                                              n_active, mods);
+                                              n_active, mods, mergers);
 }
 
 }  // namespace nibble::kernels

@@ -100,9 +100,12 @@ __device__ __forceinline__ void with_words(int words, F&& f) {
 // start), rows.scales(h) and rows.zeros(h) its scales and zero points (null: 8). load(p) reads one
 // 16-byte unit or one word of codes. Global memory (mma_weights_load) and a shared-memory stage
 // (kernels/int4_stream.cuh) lay a tile's rows out alike.
-template <int CPG, int WORDS, typename Rows, typename Load>
+// kPart: WORDS (2 or 1) of the 4 words of a full group, from word w0 (a warp's share of a group
+// split among several warps: MmaTile's SUB), one 8- or 4-byte load a lane and step.
+template <int CPG, int WORDS, bool kPart = false, typename Rows, typename Load>
 __device__ __forceinline__ void mma_weights_fill(const Rows& rows, int shift, int64_t q, Load&& load,
-                                                 MmaWeights<CPG>& mw) {
+                                                 MmaWeights<CPG>& mw, int w0 = 0) {
+  static_assert(!kPart || WORDS == 2 || WORDS == 1);
   const int t = threadIdx.x % 4;
   const int64_t c0 = 4 * q;
 #pragma unroll
@@ -110,7 +113,12 @@ __device__ __forceinline__ void mma_weights_fill(const Rows& rows, int shift, in
     const uint8_t* base = rows.codes(h) + c0 * 128;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      if constexpr (WORDS == 4) {
+      if constexpr (kPart && WORDS == 2) {
+        const uint2 v = load(reinterpret_cast<const uint2*>(base) + 2 * (t + 4 * i) + w0 / 2);
+        mw.w[h][i][0] = v.x, mw.w[h][i][1] = v.y;
+      } else if constexpr (kPart) {
+        mw.w[h][i][0] = load(reinterpret_cast<const uint32_t*>(base) + 4 * (t + 4 * i) + w0);
+      } else if constexpr (WORDS == 4) {
         const uint4 v = load(reinterpret_cast<const uint4*>(base) + t + 4 * i);
         mw.w[h][i][0] = v.x, mw.w[h][i][1] = v.y, mw.w[h][i][2] = v.z, mw.w[h][i][3] = v.w;
       } else {  // a last partial group: [lane][WORDS]
@@ -125,7 +133,7 @@ __device__ __forceinline__ void mma_weights_fill(const Rows& rows, int shift, in
       for (int jp = 0; jp < 2; ++jp)
 #pragma unroll
         for (int set = 0; set < kMmaStepSets<CPG>; ++set)
-          mma_scale_zero<CPG>(rows.scales(h), rows.zeros(h), shift, c0 + cc, jp, set, mw.s[h][cc][jp][set],
+          mma_scale_zero<CPG>(rows.scales(h), rows.zeros(h), shift, c0 + w0 + cc, jp, set, mw.s[h][cc][jp][set],
                               mw.z[h][cc][jp][set]);
     // Group-scaled, a word's two scales share a register (f16 jp 0 low, jp 1 high): registers are
     // what decides how many blocks an SM holds.
@@ -154,11 +162,11 @@ struct MmaGlobalRows {
 // are not (evict-first cost 3% at batch 8). A compile-time choice: chosen at run time, the two
 // loads cost 3.6% at batch 1. Nor the scales: the warps of a row share their 32-byte sectors, which
 // evict-first lost between them (−2% at depth 8192).
-template <int CPG, int WORDS, bool kOnce>
+template <int CPG, int WORDS, bool kOnce, bool kPart = false>
 __device__ __forceinline__ void mma_weights_load(const Int4Weight& w, const int64_t (&rows)[2], int64_t k,
-                                                 int64_t q, MmaWeights<CPG>& mw) {
-  mma_weights_fill<CPG, WORDS>(MmaGlobalRows{w, rows, k}, int(w.group_shift), q,
-                               [](const auto* p) { return kOnce ? __ldcs(p) : __ldg(p); }, mw);
+                                                 int64_t q, MmaWeights<CPG>& mw, int w0 = 0) {
+  mma_weights_fill<CPG, WORDS, kPart>(MmaGlobalRows{w, rows, k}, int(w.group_shift), q,
+                                      [](const auto* p) { return kOnce ? __ldcs(p) : __ldg(p); }, mw, w0);
 }
 
 // Independent accumulators: consecutive mma of a warp would otherwise wait on each other's result
@@ -168,6 +176,7 @@ constexpr int kMmaChains = 2;
 // acc[chain] += A · B over group q (step (i, jp) goes to chain jp). xb: this thread's units of its
 // activation column in shared memory (+ t), null when the thread's column is past m.
 //
+// w0: the first of the group's words mw holds (a warp's share of a split group, MmaTile's SUB).
 // A register of weights is a byte permute (per step and row), one lop3 (the nibbles as 1024 + q or
 // 64 + q) and one exact subtraction (of 1024 + z or 64 + z); with a group a step (G >= 128) a
 // word's products accumulate apart, a chain a step, and the scale multiplies those f32 sums once,
@@ -175,7 +184,7 @@ constexpr int kMmaChains = 2;
 // partial sums and zero points are live beside the weights.
 template <int CPG, int WORDS>
 __device__ __forceinline__ void mma_group_dot(const MmaWeights<CPG>& mw, int64_t q, const uint2* xb,
-                                              float (&acc)[kMmaChains][4]) {
+                                              float (&acc)[kMmaChains][4], int w0 = 0) {
   constexpr bool kGroup = kMmaGroupScaled<CPG>;
   constexpr int kSets = kMmaStepSets<CPG>;
   constexpr uint32_t k960 = 0x63806380u;  // f16x2 960: (1024 + z) - 960 = 64 + z
@@ -194,7 +203,7 @@ __device__ __forceinline__ void mma_group_dot(const MmaWeights<CPG>& mw, int64_t
 #pragma unroll
       for (int jp = 0; jp < 2; ++jp) {
         uint2 b = make_uint2(0u, 0u);
-        if (xb) b = xb[4 * gemv_mma_step(4 * q + cc, i, jp)];
+        if (xb) b = xb[4 * gemv_mma_step(4 * q + w0 + cc, i, jp)];
         uint32_t a[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // a0, a2: row g; a1, a3: row g + 8
@@ -235,8 +244,14 @@ __device__ __forceinline__ float4 mma_chains_sum(const float (&acc)[kMmaChains][
 // (clamped to n - 1: rows past n are read but never stored). The first group's loads are issued by
 // `start` (before pdl_wait), the rest and the products by `finish`. kOnce: the weights are read
 // once a step (mma_weights_load).
-template <int CPG, int KS, bool kOnce = true>
+// SUB > 1: each group split among SUB warps, 4 / SUB words each (k a multiple of 1024, every group
+// full): unit u = kw, kw + KS, ... is group u / SUB, words from 4 / SUB · (u mod SUB). A block has
+// SUB times the warps for the same tiles, each with a SUB-th of a group's products: at one token
+// a Qwen3 o block had one warp a scheduler to issue 64 mma and their dequantising after its row.
+template <int CPG, int KS, bool kOnce = true, int SUB = 1>
 struct MmaTile {
+  static_assert(SUB == 1 || SUB == 2 || SUB == 4);
+  static constexpr int kSubWords = 4 / SUB;
   MmaWeights<CPG> mw;
   int64_t rows[2];
   int64_t quads, k;
@@ -247,10 +262,23 @@ struct MmaTile {
     k = k_, kw = kw_, quads = (k / 256 + 3) / 4;
     rows[0] = tile0 + g < n ? tile0 + g : n - 1;
     rows[1] = tile0 + g + 8 < n ? tile0 + g + 8 : n - 1;
-    if (kw < quads) with_words(mma_group_words(k, kw), [&](auto W) { mma_weights_load<CPG, W.value, kOnce>(w, rows, k, kw, mw); });
+    if constexpr (SUB > 1) {
+      if (kw < quads * SUB) mma_weights_load<CPG, kSubWords, kOnce, true>(w, rows, k, kw / SUB, mw, kw % SUB * kSubWords);
+    } else {
+      if (kw < quads) with_words(mma_group_words(k, kw), [&](auto W) { mma_weights_load<CPG, W.value, kOnce>(w, rows, k, kw, mw); });
+    }
   }
 
   __device__ __forceinline__ void finish(const Int4Weight& w, const uint2* xb, float (&acc)[kMmaChains][4]) {
+    if constexpr (SUB > 1) {
+      for (int64_t u = kw; u < quads * SUB; u += KS) {
+        const int64_t q = u / SUB;
+        const int w0 = int(u % SUB) * kSubWords;
+        if (u != kw) mma_weights_load<CPG, kSubWords, kOnce, true>(w, rows, k, q, mw, w0);
+        mma_group_dot<CPG, kSubWords>(mw, q, xb, acc, w0);
+      }
+      return;
+    }
     for (int64_t q = kw; q < quads; q += KS)
       with_words(mma_group_words(k, q), [&](auto W) {
         if (q != kw) mma_weights_load<CPG, W.value, kOnce>(w, rows, k, q, mw);
@@ -371,8 +399,9 @@ struct StagedRowsBulk {
 };
 
 // y[m, n] (+)= norm?(x[m, k]) · Wᵀ (+ b), m <= kGemvMaxM. A block has NTB 16-row tiles × KS warps
-// along K; warp (nt, kw) takes groups kw, kw + KS, ... of tile nt.
-template <int CPG, bool kNorm, int KS, int NTB, bool kFold = false>
+// along K; warp (nt, kw) takes groups kw, kw + KS, ... of tile nt (SUB > 1: units of a SUB-th of
+// a group, MmaTile).
+template <int CPG, bool kNorm, int KS, int NTB, bool kFold = false, int SUB = 1>
 __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight w, const float* __restrict__ bias,
                                                                       const float* __restrict__ x,
                                                                       float* __restrict__ y, int m, int64_t n,
@@ -380,7 +409,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int nt = warp / KS, kw = warp % KS;
   NIBBLE_TIMELINE_BLOCK(kGemvInt4);
-  MmaTile<CPG, KS> tile;
+  MmaTile<CPG, KS, true, SUB> tile;
   tile.start(w, (int64_t(blockIdx.x) * NTB + nt) * 16, n, k, kw);  // weights need no predecessor
   // The folded router's rows and norm weights for this block's outputs, before the wait too.
   std::conditional_t<kFold, RouterFoldRows<NTB>, NoRouterFold> fold_rows;

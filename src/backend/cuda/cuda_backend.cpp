@@ -113,8 +113,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaSetDevice(0));
     route_counter_ = Buffer(*this, sizeof(unsigned));
     CUDA_CHECK(cudaMemset(route_counter_.data(), 0, sizeof(unsigned)));
-    attention_counters_ = Buffer(*this, cuda::kAttentionMaxPairs * sizeof(unsigned));
-    CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, cuda::kAttentionMaxPairs * sizeof(unsigned)));
+    attention_counters_ = Buffer(*this, 2 * cuda::kAttentionMaxPairs * sizeof(unsigned));  // arrivals, mergers done
+    CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, 2 * cuda::kAttentionMaxPairs * sizeof(unsigned)));
     argmax_counters_ = Buffer(*this, (cuda::kArgmaxMaxRows + 1) * sizeof(unsigned));  // + the head's pick
     CUDA_CHECK(cudaMemset(argmax_counters_.data(), 0, (cuda::kArgmaxMaxRows + 1) * sizeof(unsigned)));
     mxfp4_claims_ = Buffer(*this, 4 * sizeof(unsigned));

@@ -217,7 +217,7 @@ bool gemv_mxfp4_router_fold(const uint8_t* codes, const uint8_t* scales, const f
 // Decode attention in one launch over the paged cache: f16 KV on the tensor cores
 // (attention_decode_tc_kernel: head_dim 64/128, GQA groups up to 16), f32 KV on CUDA cores
 // (attention_decode_kernel: head_dim 64/128, groups up to 8); false (nothing launched) for other
-// shapes. partial: attention_partial_floats(...) floats of scratch; counters: kAttentionMaxPairs
+// shapes. partial: attention_partial_floats(...) floats of scratch; counters: 2 x kAttentionMaxPairs
 // device words, 0 between launches. sinks (per q head, or null) and window (0: none) as
 // Backend::attention takes them, here and in attention().
 constexpr int64_t kAttentionMaxPairs = 4096;

@@ -354,6 +354,17 @@ static void gemv_int4_stream(const Int4Device& w, const float* bias, const float
   });
 }
 
+// The INT4 decode GEMVs at one token (q/k/v, o) with each quantisation group's products split
+// between two warps (MmaTile's SUB): twice the warps a block to issue a tile's products once its
+// row is staged. NIBBLE_INT4_SPLIT_GROUPS=0 for the one-warp-a-group kernels, for A/B runs.
+static bool int4_gemv_split_groups() {
+  static const bool on = [] {
+    const char* env = std::getenv("NIBBLE_INT4_SPLIT_GROUPS");
+    return !(env && std::string_view(env) == "0");
+  }();
+  return on;
+}
+
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k, const GemvIo& io) {
   if (const int stages = gemv_int4_stream_stages(w, m, n, k, io); stages > 0) {
@@ -365,11 +376,20 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
   const size_t smem = size_t(kernels::mma_x_bytes(m, k));
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_cpg(w.group_shift, [&](auto CPG) {
-      auto go = [&](auto KS, auto NTB) {
-        const auto kernel = kernels::gemv_int4_mma_kernel<CPG.value, kNorm.value, KS.value, NTB.value>;
+      auto go_sub = [&](auto KS, auto NTB, auto SUB) {
+        const auto kernel =
+            kernels::gemv_int4_mma_kernel<CPG.value, kNorm.value, KS.value, NTB.value, false, SUB.value>;
         allow_smem(kernel, smem);
         launch_pdl_smem(kernel, blocks_for((n + 15) / 16, NTB.value), 32 * KS.value * NTB.value, smem, kw, bias, x, y,
                         int(m), n, k, to_kernel(io), kernels::RouterFold{});
+      };
+      auto go = [&](auto KS, auto NTB) {
+        // One token, every group full, a tile a block: each group split between two warps.
+        if constexpr (NTB.value == 1 && KS.value == 4) {
+          if (m == 1 && k % 1024 == 0 && int4_gemv_split_groups())
+            return go_sub(std::integral_constant<int, 8>{}, NTB, std::integral_constant<int, 2>{});
+        }
+        go_sub(KS, NTB, std::integral_constant<int, 1>{});
       };
       // A few tiles (a 4-bit MoE router: 128 rows) with long rows: 8 warps along K and a tile a
       // block, so that each warp's serial share is short (the router is on the critical path).
@@ -382,8 +402,12 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
       const int64_t tiles = (n + 15) / 16, sms = int64_t(sm_count());
       if (tiles <= 16 && k >= 2048 && m <= 2)
         go(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
-      else if (!two && m == 1 && (k / 256 + 3) / 4 == 2 && tiles > 2 * sms && tiles <= 3 * sms)
-        go(std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
+      else if (!two && m == 1 && (k / 256 + 3) / 4 == 2 && tiles > 2 * sms && tiles <= 3 * sms) {
+        if (k % 1024 == 0 && int4_gemv_split_groups())
+          go_sub(std::integral_constant<int, 4>{}, std::integral_constant<int, 3>{}, std::integral_constant<int, 2>{});
+        else
+          go(std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
+      }
       else
         dispatch_mma_split(k, go, m);
     });
@@ -426,11 +450,11 @@ bool gemv_int4_router_fold(const Int4Device& w, const float* bias, const float* 
   bool launched = false;
   dispatch_cpg(w.group_shift, [&](auto CPG) {
     // The shapes gemv_int4 gives one token with one tile a block (o projections: k >= 1280).
-    dispatch_mma_split(k, [&](auto KS, auto NTB) {
-      if constexpr (NTB.value == 1) {
+    auto fold = [&](auto KS, auto SUB) {
+      {
         const int threads = 32 * KS.value;
         if (n % 16 != 0 || n_experts > kernels::kFoldExpertsPerThread * threads) return;
-        const auto kernel = kernels::gemv_int4_mma_kernel<CPG.value, false, KS.value, 1, true>;
+        const auto kernel = kernels::gemv_int4_mma_kernel<CPG.value, false, KS.value, 1, true, SUB.value>;
         allow_smem(kernel, smem);
         // The sums' norm fields are the readers' (moe_decode_int4): unused here.
         const kernels::RouterFold fold{static_cast<const uint16_t*>(router), norm, static_cast<__half*>(xg),
@@ -439,6 +463,15 @@ bool gemv_int4_router_fold(const Int4Device& w, const float* bias, const float* 
                         kernels::GemvIo{nullptr, 0.f, true, nullptr, nullptr}, fold);
         launched = true;
         g_router_fold_launches.fetch_add(1, std::memory_order_relaxed);
+      }
+    };
+    dispatch_mma_split(k, [&](auto KS, auto NTB) {
+      if constexpr (NTB.value == 1) {
+        if constexpr (KS.value == 4) {  // each group split between two warps (int4_gemv_split_groups)
+          if (k % 1024 == 0 && int4_gemv_split_groups())
+            return fold(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
+        }
+        fold(KS, std::integral_constant<int, 1>{});
       }
     });
   });
@@ -574,6 +607,19 @@ bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int
 constexpr int decode_tc_split(int64_t max_context) { return max_context > 16384 ? 512 : 256; }
 static_assert(kernels::kDecodeSplitLong <= decode_tc_split(0), "attention_partial_floats sizes for the smaller");
 
+// Blocks that merge a (token, kv head)'s split partials (decode_merge_last_split): a head each,
+// so that no one block reads all of a pair's partials, while the blocks that poll for the last
+// split stay at most half the SMs (pairs x mergers), so the splits they wait for find SMs.
+// NIBBLE_ATTN_MERGERS=n caps them (1: the last split merges alone, as before), for A/B runs.
+static int attention_mergers(int64_t pairs, int64_t group) {
+  static const int cap = [] {
+    const char* env = std::getenv("NIBBLE_ATTN_MERGERS");
+    return env ? std::max(1, std::atoi(env)) : 1 << 30;
+  }();
+  const int64_t fit = int64_t(sm_count()) / 2 / std::max<int64_t>(pairs, 1);
+  return int(std::clamp<int64_t>(std::min<int64_t>({fit, group, cap}), 1, 1 << 30));
+}
+
 bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
                       const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
                       int64_t head_dim, float scale, const float* sinks, int64_t window,
@@ -588,6 +634,7 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
     const int64_t n_splits = (max_context + split - 1) / split;
     const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
     const float scale_log2 = scale * 1.4426950408889634f;
+    const int mergers = attention_mergers(m * n_head_kv, group);
     auto launch = [&](auto HD, auto SPLIT, auto WARPS, auto ROWS) {
       kernels::with_kv_element(kv.dtype, [&](auto element) {
         using T = decltype(element);
@@ -595,7 +642,8 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
           launch_pdl(kernels::attention_decode_tc_kernel<HD.value, SPLIT.value, WARPS.value, ROWS.value, T>, grid,
                      32 * WARPS.value, q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v), kv.block_table,
                      kv.seq_rows, kv.table_stride, kv.block_size_log2, partial, out, counters, positions, n_head,
-                     n_head_kv, scale_log2, n_splits, mods, pro, static_cast<T*>(kv.k), static_cast<T*>(kv.v));
+                     n_head_kv, scale_log2, n_splits, mods, pro, static_cast<T*>(kv.k), static_cast<T*>(kv.v),
+                     mergers);
       });
     };
     auto with_rows = [&](auto HD, auto SPLIT) {
