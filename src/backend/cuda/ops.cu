@@ -607,17 +607,19 @@ bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int
 constexpr int decode_tc_split(int64_t max_context) { return max_context > 16384 ? 512 : 256; }
 static_assert(kernels::kDecodeSplitLong <= decode_tc_split(0), "attention_partial_floats sizes for the smaller");
 
-// Blocks that merge a (token, kv head)'s split partials (decode_merge_last_split): a head each,
+// Blocks that merge a (token, kv head)'s split partials (decode_merge_last_split): two heads each,
 // so that no one block reads all of a pair's partials, while the blocks that poll for the last
 // split stay at most half the SMs (pairs x mergers), so the splits they wait for find SMs.
-// NIBBLE_ATTN_MERGERS=n caps them (1: the last split merges alone, as before), for A/B runs.
+// Qwen3-30B-A3B INT4 at depth 8192 on an H100 (BENCHMARKS.md): one merger 406 tok/s, a head each
+// 438, two heads each 441, four 432. NIBBLE_ATTN_MERGERS=n caps them (1: the last split merges
+// alone, as before), for A/B runs.
 static int attention_mergers(int64_t pairs, int64_t group) {
   static const int cap = [] {
     const char* env = std::getenv("NIBBLE_ATTN_MERGERS");
     return env ? std::max(1, std::atoi(env)) : 1 << 30;
   }();
   const int64_t fit = int64_t(sm_count()) / 2 / std::max<int64_t>(pairs, 1);
-  return int(std::clamp<int64_t>(std::min<int64_t>({fit, group, cap}), 1, 1 << 30));
+  return int(std::clamp<int64_t>(std::min<int64_t>({fit, (group + 1) / 2, cap}), 1, 1 << 30));
 }
 
 bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
