@@ -152,9 +152,9 @@ __device__ __forceinline__ unsigned load_acquire_gpu(const unsigned* p) {
 // several: one block reading every head's partials (33 splits x 8 heads x 528 bytes at depth 8192,
 // 139 KB) while the o GEMV's weights stream kept decode attention ~5 µs past its other blocks
 // (in-kernel timeline, BENCHMARKS.md); with two heads a merger each reads 35 KB (Qwen3 INT4
-// tg128 at depth 8192 +8.6% on an H100). Polling blocks only
-// wait for blocks that are resident or will be (the caller keeps pairs x mergers at most half the
-// SMs, and the PDL successor launches only once every block has triggered), so none waits forever.
+// tg128 at depth 8192 +8.6% on an H100). Polling blocks only wait for blocks that are resident or
+// will be (the caller keeps pairs x mergers at most half the SMs, and the PDL successor launches
+// only once every block has triggered), so none waits forever.
 // Counters: counters[pair] the arrivals, counters[pairs + pair] the mergers done with them; the
 // last merger done resets both.
 // Within a merger the threads are units of HD / 4 (one float4 of a head each); with fewer heads

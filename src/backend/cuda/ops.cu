@@ -356,13 +356,17 @@ static void gemv_int4_stream(const Int4Device& w, const float* bias, const float
 
 // The INT4 decode GEMVs at one token (q/k/v, o) with each quantisation group's products split
 // between two warps (MmaTile's SUB): twice the warps a block to issue a tile's products once its
-// row is staged. NIBBLE_INT4_SPLIT_GROUPS=0 for the one-warp-a-group kernels, for A/B runs.
-static bool int4_gemv_split_groups() {
+// row is staged (Qwen3-30B-A3B INT4 tg128 +5.2% at depth 0 on an H100, BENCHMARKS.md). The shapes
+// split: a tile of 4 groups' warps a block (o) and 3 tiles of 2 (Qwen3's q/k/v), every group
+// whole. NIBBLE_INT4_SPLIT_GROUPS=0 for the one-warp-a-group kernels, for A/B runs.
+template <int KS, int NTB>
+constexpr bool kInt4SplitShape = (KS == 4 && NTB == 1) || (KS == 2 && NTB == 3);
+static bool int4_gemv_split_groups(int64_t m, int64_t k) {
   static const bool on = [] {
     const char* env = std::getenv("NIBBLE_INT4_SPLIT_GROUPS");
     return !(env && std::string_view(env) == "0");
   }();
-  return on;
+  return on && m == 1 && k % 1024 == 0;
 }
 
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
@@ -384,10 +388,9 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
                         int(m), n, k, to_kernel(io), kernels::RouterFold{});
       };
       auto go = [&](auto KS, auto NTB) {
-        // One token, every group full, a tile a block: each group split between two warps.
-        if constexpr (NTB.value == 1 && KS.value == 4) {
-          if (m == 1 && k % 1024 == 0 && int4_gemv_split_groups())
-            return go_sub(std::integral_constant<int, 8>{}, NTB, std::integral_constant<int, 2>{});
+        if constexpr (kInt4SplitShape<KS.value, NTB.value>) {
+          if (int4_gemv_split_groups(m, k))
+            return go_sub(std::integral_constant<int, 2 * KS.value>{}, NTB, std::integral_constant<int, 2>{});
         }
         go_sub(KS, NTB, std::integral_constant<int, 1>{});
       };
@@ -402,12 +405,8 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
       const int64_t tiles = (n + 15) / 16, sms = int64_t(sm_count());
       if (tiles <= 16 && k >= 2048 && m <= 2)
         go(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{});
-      else if (!two && m == 1 && (k / 256 + 3) / 4 == 2 && tiles > 2 * sms && tiles <= 3 * sms) {
-        if (k % 1024 == 0 && int4_gemv_split_groups())
-          go_sub(std::integral_constant<int, 4>{}, std::integral_constant<int, 3>{}, std::integral_constant<int, 2>{});
-        else
-          go(std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
-      }
+      else if (!two && m == 1 && (k / 256 + 3) / 4 == 2 && tiles > 2 * sms && tiles <= 3 * sms)
+        go(std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
       else
         dispatch_mma_split(k, go, m);
     });
@@ -450,28 +449,26 @@ bool gemv_int4_router_fold(const Int4Device& w, const float* bias, const float* 
   bool launched = false;
   dispatch_cpg(w.group_shift, [&](auto CPG) {
     // The shapes gemv_int4 gives one token with one tile a block (o projections: k >= 1280).
-    auto fold = [&](auto KS, auto SUB) {
-      {
-        const int threads = 32 * KS.value;
-        if (n % 16 != 0 || n_experts > kernels::kFoldExpertsPerThread * threads) return;
-        const auto kernel = kernels::gemv_int4_mma_kernel<CPG.value, false, KS.value, 1, true, SUB.value>;
-        allow_smem(kernel, smem);
-        // The sums' norm fields are the readers' (moe_decode_int4): unused here.
-        const kernels::RouterFold fold{static_cast<const uint16_t*>(router), norm, static_cast<__half*>(xg),
-                                       to_kernel(acc, n, 0.f), n_experts, bf16};
-        launch_pdl_smem(kernel, unsigned(n / 16), threads, smem, kw, bias, x, y, 1, n, k,
-                        kernels::GemvIo{nullptr, 0.f, true, nullptr, nullptr}, fold);
-        launched = true;
-        g_router_fold_launches.fetch_add(1, std::memory_order_relaxed);
-      }
+    auto launch_fold = [&](auto KS, auto SUB) {
+      const int threads = 32 * KS.value;
+      if (n % 16 != 0 || n_experts > kernels::kFoldExpertsPerThread * threads) return;
+      const auto kernel = kernels::gemv_int4_mma_kernel<CPG.value, false, KS.value, 1, true, SUB.value>;
+      allow_smem(kernel, smem);
+      // The sums' norm fields are the readers' (moe_decode_int4): unused here.
+      const kernels::RouterFold fold{static_cast<const uint16_t*>(router), norm, static_cast<__half*>(xg),
+                                     to_kernel(acc, n, 0.f), n_experts, bf16};
+      launch_pdl_smem(kernel, unsigned(n / 16), threads, smem, kw, bias, x, y, 1, n, k,
+                      kernels::GemvIo{nullptr, 0.f, true, nullptr, nullptr}, fold);
+      launched = true;
+      g_router_fold_launches.fetch_add(1, std::memory_order_relaxed);
     };
     dispatch_mma_split(k, [&](auto KS, auto NTB) {
       if constexpr (NTB.value == 1) {
-        if constexpr (KS.value == 4) {  // each group split between two warps (int4_gemv_split_groups)
-          if (k % 1024 == 0 && int4_gemv_split_groups())
-            return fold(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
+        if constexpr (kInt4SplitShape<KS.value, 1>) {
+          if (int4_gemv_split_groups(1, k))
+            return launch_fold(std::integral_constant<int, 2 * KS.value>{}, std::integral_constant<int, 2>{});
         }
-        fold(KS, std::integral_constant<int, 1>{});
+        launch_fold(KS, std::integral_constant<int, 1>{});
       }
     });
   });
