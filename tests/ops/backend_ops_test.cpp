@@ -110,8 +110,9 @@ TEST_F(OpsTest, Linear) {
   // and 147 KB of staged activations at m = 8), n = 100 (a partial 16-row tile), n = 20000 (more
   // rows than the dense GEMV's grid: its warps stride over row groups), 5120 x 2048 (Qwen3-30B-A3B's
   // q/k/v: 320 tiles, 3 a block at m = 1 on a 132-SM GPU, the last block's third tile past n).
-  // At m = 1 with K a multiple of 1024, 64 x 4096 and 5120 x 2048 split each group between two
-  // warps (MmaTile's SUB), for every group size.
+  // At m = 1 with K a multiple of 1024, 64 x 4096, 5120 x 2048 and 4096 x 2048 (two tiles a
+  // block, as a 4-bit lm_head's 151,936 x 2048) split each group between two warps (MmaTile's
+  // SUB), for every group size.
   for (Format f : {Format{WeightFormat::kF32, 0, "f32"}, Format{WeightFormat::kF16, 0, "f16"},
                    Format{WeightFormat::kBF16, 0, "bf16"}, Format{WeightFormat::kInt4, 32, "int4-g32"},
                    Format{WeightFormat::kInt4, 64, "int4-g64"}, Format{WeightFormat::kInt4, 128, "int4-g128"},

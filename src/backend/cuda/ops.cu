@@ -354,19 +354,22 @@ static void gemv_int4_stream(const Int4Device& w, const float* bias, const float
   });
 }
 
-// The INT4 decode GEMVs at one token (q/k/v, o) with each quantisation group's products split
-// between two warps (MmaTile's SUB): twice the warps a block to issue a tile's products once its
-// row is staged (Qwen3-30B-A3B INT4 tg128 +5.2% at depth 0 on an H100, BENCHMARKS.md). The shapes
-// split: a tile of 4 groups' warps a block (o) and 3 tiles of 2 (Qwen3's q/k/v), every group
-// whole. NIBBLE_INT4_SPLIT_GROUPS=0 for the one-warp-a-group kernels, for A/B runs.
+// The INT4 decode GEMVs at one token (q/k/v, o, a 4-bit lm_head) with each quantisation group's
+// products split between two warps (MmaTile's SUB): twice the warps a block to issue a tile's
+// products once its row is staged (Qwen3-30B-A3B INT4 tg128 +5.2% at depth 0 on an H100; the
+// 4-bit head +0.3%, BENCHMARKS.md). The shapes split: a tile of 4 groups' warps a block (o), 3
+// tiles of 2 (Qwen3's q/k/v) and 2 tiles of 2 (its 4-bit lm_head, 151,936 x 2048), every group
+// whole. NIBBLE_INT4_SPLIT_GROUPS=0 for the one-warp-a-group kernels, =2 for all but 2 tiles of 2
+// (the head), for A/B runs.
 template <int KS, int NTB>
-constexpr bool kInt4SplitShape = (KS == 4 && NTB == 1) || (KS == 2 && NTB == 3);
-static bool int4_gemv_split_groups(int64_t m, int64_t k) {
-  static const bool on = [] {
+constexpr bool kInt4SplitShape = (KS == 4 && NTB == 1) || (KS == 2 && NTB == 3) || (KS == 2 && NTB == 2);
+static bool int4_gemv_split_groups(int64_t m, int64_t k, int ks = 0, int ntb = 0) {
+  static const int mode = [] {
     const char* env = std::getenv("NIBBLE_INT4_SPLIT_GROUPS");
-    return !(env && std::string_view(env) == "0");
+    return env && std::string_view(env) == "0" ? 0 : env && std::string_view(env) == "2" ? 2 : 1;
   }();
-  return on && m == 1 && k % 1024 == 0;
+  if (mode == 2 && ks == 2 && ntb == 2) return false;
+  return mode != 0 && m == 1 && k % 1024 == 0;
 }
 
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
@@ -389,7 +392,7 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
       };
       auto go = [&](auto KS, auto NTB) {
         if constexpr (kInt4SplitShape<KS.value, NTB.value>) {
-          if (int4_gemv_split_groups(m, k))
+          if (int4_gemv_split_groups(m, k, KS.value, NTB.value))
             return go_sub(std::integral_constant<int, 2 * KS.value>{}, NTB, std::integral_constant<int, 2>{});
         }
         go_sub(KS, NTB, std::integral_constant<int, 1>{});
