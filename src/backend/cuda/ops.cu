@@ -356,11 +356,11 @@ static void gemv_int4_stream(const Int4Device& w, const float* bias, const float
 
 // The INT4 decode GEMVs at one token (q/k/v, o, a 4-bit lm_head) with each quantisation group's
 // products split between two warps (MmaTile's SUB): twice the warps a block to issue a tile's
-// products once its row is staged (Qwen3-30B-A3B INT4 tg128 +5.2% at depth 0 on an H100; the
-// 4-bit head +0.3%, BENCHMARKS.md). The shapes split: a tile of 4 groups' warps a block (o), 3
-// tiles of 2 (Qwen3's q/k/v) and 2 tiles of 2 (its 4-bit lm_head, 151,936 x 2048), every group
-// whole. NIBBLE_INT4_SPLIT_GROUPS=0 for the one-warp-a-group kernels, =2 for all but 2 tiles of 2
-// (the head), for A/B runs.
+// products once its row is staged (Qwen3-30B-A3B INT4 tg128 +5.2% at depth 0 on an H100; with
+// the 4-bit head +0.4%, BENCHMARKS.md). The shapes split: a tile of 4 groups' warps a block (o), 3
+// tiles of 2 (Qwen3's q/k/v) and 2 tiles of 2 (any other K of 2048 at one token, among them its
+// 4-bit lm_head, 151,936 x 2048), every group whole. NIBBLE_INT4_SPLIT_GROUPS=0 for the
+// one-warp-a-group kernels, =2 for all but the 2-tiles-of-2 shape, for A/B runs.
 template <int KS, int NTB>
 constexpr bool kInt4SplitShape = (KS == 4 && NTB == 1) || (KS == 2 && NTB == 3) || (KS == 2 && NTB == 2);
 static bool int4_gemv_split_groups(int64_t m, int64_t k, int ks = 0, int ntb = 0) {
