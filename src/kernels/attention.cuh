@@ -138,12 +138,15 @@ __device__ __forceinline__ void decode_store_split(float* __restrict__ out, floa
   *reinterpret_cast<decltype(v)*>(dst) = v;
 }
 
-// A 32-bit load with acquire semantics at GPU scope: a merger's poll of its pair's arrivals.
-__device__ __forceinline__ unsigned load_acquire_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+// A load with acquire semantics at GPU scope: a merger's poll of its pair's arrival count.
+__device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+// fence.acq_rel.gpu: __threadfence() is fence.sc.gpu (MEMBAR.SC.GPU), stronger than a release or
+// an acquire needs.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 // The merge of a (token, kv head)'s split partials, run by the last `mergers` of its splits
 // holding positions to arrive (splits first .. n_active - 1, the first past a sliding window's
@@ -155,44 +158,53 @@ __device__ __forceinline__ unsigned load_acquire_gpu(const unsigned* p) {
 // tg128 at depth 8192 +8.6% on an H100). Polling blocks only wait for blocks that are resident or
 // will be (the caller keeps pairs x mergers at most half the SMs, and the PDL successor launches
 // only once every block has triggered), so none waits forever.
-// Counters: counters[pair] the arrivals, counters[pairs + pair] the mergers done with them; the
-// last merger done resets both.
+// The count: counters[pair] only grows. A launch's n splits add one each as they arrive (the old
+// value's low bits are the arrival rank) and the last to arrive adds kMergeLaunchCount - n, so each
+// launch starts at a multiple of kMergeLaunchCount (the counts start at 0; a pair with one split
+// never counts) and no merger waits on a second atomic or a reset before merging: the mergers'
+// second count and a reset by the last done, as it was, took Qwen3-30B-A3B INT4 tg128 1.1% at
+// depth 8192, 1.0% at 16384 (BENCHMARKS.md). A fence.sc.gpu (__threadfence) where the
+// fence.acq_rel.gpu stand measured the same.
 // Within a merger the threads are units of HD / 4 (one float4 of a head each); with fewer heads
 // than units, a head's splits are dealt round-robin to SG units, each walking its splits with an
 // online softmax (kMergeBatch loads at once), and the units' results are combined in unit order
 // through shared memory, so the bits do not depend on arrival order (kSpread; without it a unit
 // walks all of a head's splits, which needs no shared memory). Called by every thread.
 constexpr int kMergeBatch = 16;
+constexpr unsigned long long kMergeLaunchCount = 1ull << 16;  // more than any launch's splits
 
-template <int G, int HD, int kThreads, bool kSpread = true>
+template <int G, int HD, int kThreads, bool kSpread = true, typename Marker = NoTimelineMarker>
 __device__ void decode_merge_last_split(const float* __restrict__ partial, float* __restrict__ out,
-                                        unsigned* __restrict__ counters, int64_t t, int64_t kv, int64_t group,
+                                        unsigned long long* __restrict__ counters, int64_t t, int64_t kv, int64_t group,
                                         int64_t n_head, int64_t n_splits, int64_t first, int64_t n_active,
-                                        const AttentionMods& mods, int mergers) {
+                                        const AttentionMods& mods, int mergers, Marker marker = {}) {
   constexpr int kLanes = HD / 4, kUnits = kThreads / kLanes;
   static_assert(kThreads % kLanes == 0);
   __shared__ int s_merger;
   const int tid = threadIdx.x;
   const unsigned n = unsigned(n_active - first), r_count = ::min(unsigned(::max(mergers, 1)), n);
-  unsigned* arrived = counters + blockIdx.x;
-  unsigned* done = counters + gridDim.x + blockIdx.x;
+  unsigned long long* count = counters + blockIdx.x;
   __syncthreads();
   if (tid == 0) {
-    __threadfence();
-    const unsigned rank = atomicAdd(arrived, 1u);
+    fence_acq_rel_gpu();  // release: the block's partial (every thread's stores, ordered by the barrier)
+    const unsigned long long old = atomicAdd(count, 1ull), base = old & ~(kMergeLaunchCount - 1);
+    const unsigned rank = unsigned(old - base);
     const int merger = int(rank) - int(n - r_count);  // < 0: not a merger
     if (merger >= 0) {
-      if (rank != n - 1)
-        while (load_acquire_gpu(arrived) < n) {
+      if (rank == n - 1) {
+        fence_acq_rel_gpu();  // acquire: the other splits' partials
+        atomicAdd(count, kMergeLaunchCount - n);  // the next launch starts at a multiple again
+      } else {
+        while (load_acquire_gpu(count) < base + n) {
         }
-      if (r_count == 1 || atomicAdd(done, 1u) == r_count - 1) *arrived = 0, *done = 0;
+      }
     }
     s_merger = merger;
   }
-  __syncthreads();
+  __syncthreads();  // after thread 0's acquire: the partials' loads below see every split's stores
   const int merger = s_merger;
   if (merger < 0) return;
-  __threadfence();
+  marker(11, float(merger));  // a merger's poll done
   constexpr float kInf = __builtin_huge_valf();
   const int heads = int((group - merger + r_count - 1) / r_count);  // heads merger, merger + r_count, ...
   const int sg_count = kSpread ? ::max(1, kUnits / ::max(heads, 1)) : 1;  // units a head
@@ -239,6 +251,7 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
       float mx, l;
       float4 o;
       walk(hs, mx, l, o);
+      marker(12, o.x);  // the partials loaded and weighed
       finish(hs, mx, l, o);
     }
     return;
@@ -252,6 +265,7 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
     float mx = -kInf, l = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     if (active) walk(hs, mx, l, o);
+    marker(12, o.x);
     s_mx[tid] = mx, s_l[tid] = l, s_o[tid] = o;
     __syncthreads();
     if (!active || sg != 0) return;
@@ -264,6 +278,7 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
       o = make_float4(o.x * a + v.x * b, o.y * a + v.y * b, o.z * a + v.z * b, o.w * a + v.w * b);
       mx = m2;
     }
+    marker(13, o.x);  // the units' results combined
     finish(hs, mx, l, o);
   }
 }
@@ -311,7 +326,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 attention_decode_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                         const int32_t* __restrict__ tables, const int32_t* __restrict__ seq_rows,
                         int64_t table_stride, int block_size_log2,
-                        float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
+                        float* __restrict__ partial, float* __restrict__ out, unsigned long long* __restrict__ counters,
                         const int32_t* __restrict__ positions, int64_t n_head, int64_t n_head_kv, float scale,
                         int64_t n_splits, AttentionMods mods) {
   constexpr int kQuads = HD / 4;                       // float4 columns of a row
@@ -459,7 +474,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const int32_t* __restrict__ tables, const int32_t* __restrict__ seq_rows,
                            int64_t table_stride, int block_size_log2,
-                           float* __restrict__ partial, float* __restrict__ out, unsigned* __restrict__ counters,
+                           float* __restrict__ partial, float* __restrict__ out, unsigned long long* __restrict__ counters,
                            const int32_t* __restrict__ positions, int64_t n_head, int64_t n_head_kv,
                            float scale_log2, int64_t n_splits, AttentionMods mods, AttentionPrologue pro,
                            T* __restrict__ k_out, T* __restrict__ v_out, int mergers) {
@@ -744,6 +759,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
     float mx = -kInf;
 #pragma unroll
     for (int w = 0; w < kDecodeTcWarps; ++w) mx = fmaxf(mx, m[w]);
+    NIBBLE_TIMELINE_MARK_AFTER(9, mx);  // the warps' maxima read
     float acc[kPerLane] = {}, l = 0.f;
 #pragma unroll
     for (int w = 0; w < kDecodeTcWarps; ++w) {
@@ -753,6 +769,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
 #pragma unroll
       for (int j = 0; j < kPerLane; ++j) acc[j] += pv[j] * f;
     }
+    NIBBLE_TIMELINE_MARK_AFTER(10, acc[0] + l);  // the head's rows weighed
     // The max in log2 units here, natural-log units in the partial.
     decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, only, kPerLane * lane, acc,
                            mx * 0.6931471805599453f, l, s_sink[h]);
@@ -760,7 +777,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   NIBBLE_TIMELINE_MARK_AT(7);  // the outputs stored
   if (only) return;
   decode_merge_last_split<ROWS, HD, kThreads>(partial, out, counters, t, kv, group, n_head, n_splits, first_split,
-                                              n_active, mods, mergers);
+                                              n_active, mods, mergers, NIBBLE_TIMELINE_MARKER);
 }
 
 }  // namespace nibble::kernels

@@ -58,6 +58,9 @@ static __device__ unsigned long long g_timeline_mask = 0;
 // Which of a kernel's alternative mark points records (NIBBLE_TIMELINE_MARK_AT, default 0): a
 // kernel with several NIBBLE_TIMELINE_MARK_AT(n) points is timed to each in turn, one run a point.
 static __device__ int g_timeline_mark_at = 0;
+// Written by NIBBLE_TIMELINE_MARK_AFTER: a volatile store of the value issues only once it is ready
+// (a warp issues in order), so the mark after it cannot read the timer before the value exists.
+static __device__ float g_timeline_sink = 0.f;
 
 __device__ __forceinline__ uint64_t timeline_now() {
   uint64_t t;
@@ -68,6 +71,8 @@ __device__ __forceinline__ uint64_t timeline_now() {
 struct TimelineBlock {
   TimelineRecord r{};
   unsigned long long slot = 0;
+  int mark_at = 0;  // g_timeline_mark_at, read once at the start: a global load at each mark
+                    // would sit in the times it measures
   bool on = false;
 
   __device__ explicit TimelineBlock(TimelineKernel k) {
@@ -80,6 +85,7 @@ struct TimelineBlock {
     r.sm = uint16_t(sm);
     r.block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     r.blocks = gridDim.x * gridDim.y * gridDim.z;
+    mark_at = g_timeline_mark_at;
     slot = atomicAdd(&g_timeline_next, 1ull);
   }
   __device__ void waited() {
@@ -87,6 +93,14 @@ struct TimelineBlock {
   }
   __device__ void mark() {
     if (on) r.mark = timeline_now();
+  }
+  __device__ void mark_if(int n) {
+    if (on && mark_at == n) r.mark = timeline_now();
+  }
+  __device__ void mark_if_after(int n, float value) {
+    if (!on || mark_at != n) return;
+    *static_cast<volatile float*>(&g_timeline_sink) = value;
+    r.mark = timeline_now();
   }
   __device__ ~TimelineBlock() {
     if (!on) return;
@@ -98,15 +112,23 @@ struct TimelineBlock {
 #define NIBBLE_TIMELINE_BLOCK(kernel) ::nibble::kernels::TimelineBlock timeline_(::nibble::kernels::TimelineKernel::kernel)
 #define NIBBLE_TIMELINE_WAITED() timeline_.waited()
 #define NIBBLE_TIMELINE_MARK() timeline_.mark()
-#define NIBBLE_TIMELINE_MARK_AT(n) \
-  do {                            \
-    if (::nibble::kernels::g_timeline_mark_at == (n)) timeline_.mark(); \
-  } while (0)
+#define NIBBLE_TIMELINE_MARK_AT(n) timeline_.mark_if(n)
+// A mark point inside a device function the kernel calls: pass it NIBBLE_TIMELINE_MARKER and
+// call marker(n, value) there (a mark once value is ready).
+#define NIBBLE_TIMELINE_MARKER [&](int n, float value) { timeline_.mark_if_after(n, value); }
+// A mark once `value` (a float the kernel computed) is ready.
+#define NIBBLE_TIMELINE_MARK_AFTER(n, value) timeline_.mark_if_after(n, value)
 #else
 #define NIBBLE_TIMELINE_BLOCK(kernel) ((void)0)
 #define NIBBLE_TIMELINE_WAITED() ((void)0)
 #define NIBBLE_TIMELINE_MARK() ((void)0)
 #define NIBBLE_TIMELINE_MARK_AT(n) ((void)0)
+#define NIBBLE_TIMELINE_MARKER ::nibble::kernels::NoTimelineMarker{}
+#define NIBBLE_TIMELINE_MARK_AFTER(n, value) ((void)0)
 #endif
+// The marker of a build without the timeline (and the default of functions taking one).
+struct NoTimelineMarker {
+  __device__ void operator()(int, float) const {}
+};
 
 }  // namespace nibble::kernels

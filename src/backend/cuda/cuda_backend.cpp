@@ -113,8 +113,8 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaSetDevice(0));
     route_counter_ = Buffer(*this, sizeof(unsigned));
     CUDA_CHECK(cudaMemset(route_counter_.data(), 0, sizeof(unsigned)));
-    attention_counters_ = Buffer(*this, 2 * cuda::kAttentionMaxPairs * sizeof(unsigned));  // arrivals, mergers done
-    CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, 2 * cuda::kAttentionMaxPairs * sizeof(unsigned)));
+    attention_counters_ = Buffer(*this, cuda::kAttentionMaxPairs * sizeof(unsigned long long));  // split arrivals
+    CUDA_CHECK(cudaMemset(attention_counters_.data(), 0, cuda::kAttentionMaxPairs * sizeof(unsigned long long)));
     argmax_counters_ = Buffer(*this, (cuda::kArgmaxMaxRows + 1) * sizeof(unsigned));  // + the head's pick
     CUDA_CHECK(cudaMemset(argmax_counters_.data(), 0, (cuda::kArgmaxMaxRows + 1) * sizeof(unsigned)));
     mxfp4_claims_ = Buffer(*this, 4 * sizeof(unsigned));
@@ -688,7 +688,7 @@ class CudaBackend final : public Backend {
                         const float* sinks, int64_t window, const cuda::AttentionPrologue* prologue = nullptr) {
     Buffer partial(*this, size_t(cuda::attention_partial_floats(m, max_context, n_head, head_dim)) * 4);
     const bool launched =
-        cuda::attention_decode(q, kv, partial.data(), out, attention_counters_.data<unsigned>(), m, positions,
+        cuda::attention_decode(q, kv, partial.data(), out, attention_counters_.data<unsigned long long>(), m, positions,
                                max_context, n_head, n_head_kv, head_dim, scale, sinks, window, prologue);
     NIBBLE_CHECK(launched, "decode attention declined a supported shape");
   }
@@ -699,7 +699,7 @@ class CudaBackend final : public Backend {
     OpProfiler::Scope scope(profiler_, "attention");
     NIBBLE_CHECK(head_dim <= cuda::kAttentionMaxHeadDim, "attention: head_dim {} exceeds {}",
                  head_dim, cuda::kAttentionMaxHeadDim);
-    unsigned* counters = attention_counters_.data<unsigned>();
+    unsigned long long* counters = attention_counters_.data<unsigned long long>();
     if (m <= cuda::kGemvMaxM && cuda::attention_decode_supports(m, n_head, n_head_kv, head_dim, kv.dtype)) {
       decode_attention(q, kv, m, positions, max_context, n_head, n_head_kv, head_dim, scale, out, sinks, window);
     } else if (m > cuda::kGemvMaxM && cuda::flash_attention(q, kv, out, m, positions, n_head, n_head_kv, head_dim,
@@ -1326,7 +1326,7 @@ class CudaBackend final : public Backend {
   std::unordered_map<void*, size_t> block_size_;
   std::string timeline_path_;  // NIBBLE_TIMELINE: where the in-kernel timeline goes at exit
   Buffer route_counter_;  // the fused router's "last block routes" counter, 0 between launches
-  Buffer attention_counters_;  // decode attention's "last split merges" counters, 0 between launches
+  Buffer attention_counters_;  // decode attention's split arrival counts (kernels/attention.cuh)
   Buffer argmax_counters_;     // the one-launch argmax's counters a row, 0 between launches
   unsigned* argmax_counters() { return argmax_counters_.data<unsigned>(); }
   // The streamed MXFP4 kernels' claim counters, 0 between launches: [0, 2) MoE gate/up's

@@ -217,8 +217,8 @@ bool gemv_mxfp4_router_fold(const uint8_t* codes, const uint8_t* scales, const f
 // Decode attention in one launch over the paged cache: f16 KV on the tensor cores
 // (attention_decode_tc_kernel: head_dim 64/128, GQA groups up to 16), f32 KV on CUDA cores
 // (attention_decode_kernel: head_dim 64/128, groups up to 8); false (nothing launched) for other
-// shapes. partial: attention_partial_floats(...) floats of scratch; counters: 2 x kAttentionMaxPairs
-// device words, 0 between launches. sinks (per q head, or null) and window (0: none) as
+// shapes. partial: attention_partial_floats(...) floats of scratch; counters: kAttentionMaxPairs
+// 64-bit device words, 0 at first (the split merge's counts, kernels/attention.cuh). sinks (per q head, or null) and window (0: none) as
 // Backend::attention takes them, here and in attention().
 constexpr int64_t kAttentionMaxPairs = 4096;
 int64_t attention_partial_floats(int64_t m, int64_t max_context, int64_t n_head, int64_t head_dim);
@@ -226,7 +226,7 @@ bool attention_decode_supports(int64_t m, int64_t n_head, int64_t n_head_kv, int
 // The attention prologue fused into decode attention (qk_norm_rope_kv_write's inputs): F16 and FP8
 // KV only; false, having launched nothing, for an F32 cache.
 using kernels::AttentionPrologue;
-bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
+bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned long long* counters, int64_t m,
                       const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
                       int64_t head_dim, float scale, const float* sinks = nullptr, int64_t window = 0,
                       const AttentionPrologue* prologue = nullptr);

@@ -622,7 +622,7 @@ static int attention_mergers(int64_t pairs, int64_t group) {
   return int(std::clamp<int64_t>(std::min<int64_t>({fit, (group + 1) / 2, cap}), 1, 1 << 30));
 }
 
-bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned* counters, int64_t m,
+bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned long long* counters, int64_t m,
                       const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
                       int64_t head_dim, float scale, const float* sinks, int64_t window,
                       const AttentionPrologue* prologue) {
@@ -634,6 +634,7 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
   if (kv.dtype != DType::F32) {  // f16 or E4M3: the tensor-core kernel
     const int split = decode_tc_split(max_context);
     const int64_t n_splits = (max_context + split - 1) / split;
+    if (n_splits >= int64_t(kernels::kMergeLaunchCount)) return false;  // the merge's count (attention.cuh)
     const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
     const float scale_log2 = scale * 1.4426950408889634f;
     const int mergers = attention_mergers(m * n_head_kv, group);
@@ -668,6 +669,7 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
   }
   const int split = kernels::decode_split(max_context);
   const int64_t n_splits = (max_context + split - 1) / split;
+  if (n_splits >= int64_t(kernels::kMergeLaunchCount)) return false;
   const dim3 grid(unsigned(m * n_head_kv), unsigned(n_splits));
   const auto* k = static_cast<const float*>(kv.k);
   const auto* v = static_cast<const float*>(kv.v);
