@@ -144,9 +144,12 @@ __device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned lo
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-// fence.acq_rel.gpu: __threadfence() is fence.sc.gpu (MEMBAR.SC.GPU), stronger than a release or
-// an acquire needs.
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// An arrival: release of what the block stored before it, acquire of what the others released.
+__device__ __forceinline__ unsigned long long atomic_add_acq_rel_gpu(unsigned long long* p, unsigned long long v) {
+  unsigned long long old;
+  asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  return old;
+}
 
 // The merge of a (token, kv head)'s split partials, run by the last `mergers` of its splits
 // holding positions to arrive (splits first .. n_active - 1, the first past a sliding window's
@@ -163,8 +166,10 @@ __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_re
 // launch starts at a multiple of kMergeLaunchCount (the counts start at 0; a pair with one split
 // never counts) and no merger waits on a second atomic or a reset before merging: the mergers'
 // second count and a reset by the last done, as it was, took Qwen3-30B-A3B INT4 tg128 1.1% at
-// depth 8192, 1.0% at 16384 (BENCHMARKS.md). A fence.sc.gpu (__threadfence) where the
-// fence.acq_rel.gpu stand measured the same.
+// depth 8192, 1.0% at 16384 (BENCHMARKS.md). The arrival is one acq_rel atomic (+0.1% against
+// fence.acq_rel.gpu and a relaxed atomic; __threadfence, fence.sc.gpu, measured the same); with no
+// release at all, which is not correct, the step was only 0.7% faster at depth 8192: what remains
+// of the merge tail is the partials' L2 trip under the o GEMV's weight burst.
 // Within a merger the threads are units of HD / 4 (one float4 of a head each); with fewer heads
 // than units, a head's splits are dealt round-robin to SG units, each walking its splits with an
 // online softmax (kMergeBatch loads at once), and the units' results are combined in unit order
@@ -186,13 +191,13 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
   unsigned long long* count = counters + blockIdx.x;
   __syncthreads();
   if (tid == 0) {
-    fence_acq_rel_gpu();  // release: the block's partial (every thread's stores, ordered by the barrier)
-    const unsigned long long old = atomicAdd(count, 1ull), base = old & ~(kMergeLaunchCount - 1);
+    // Release: the block's partial (every thread's stores, ordered by the barrier); acquire, for
+    // the last to arrive, the other splits' partials.
+    const unsigned long long old = atomic_add_acq_rel_gpu(count, 1), base = old & ~(kMergeLaunchCount - 1);
     const unsigned rank = unsigned(old - base);
     const int merger = int(rank) - int(n - r_count);  // < 0: not a merger
     if (merger >= 0) {
       if (rank == n - 1) {
-        fence_acq_rel_gpu();  // acquire: the other splits' partials
         atomicAdd(count, kMergeLaunchCount - n);  // the next launch starts at a multiple again
       } else {
         while (load_acquire_gpu(count) < base + n) {
