@@ -412,6 +412,33 @@ TEST_F(OpsTest, Attention) {
   }
 }
 
+// Decode attention's split merge counts each (token, kv head) pair's arrivals on a count that only
+// grows, each launch adding a multiple of 2^16 in all (kernels/attention.cuh): consecutive launches
+// on one backend with different numbers of splits holding positions (one split alone, which never
+// counts; a sliding window past the first splits; several tokens of different lengths) must each
+// merge their own launch's partials. A launch that left a count off its multiple would give the
+// next launch wrong arrival ranks: a merge before every partial is stored, or none. Twice through,
+// so every pair's count has passed several launches.
+TEST_F(OpsTest, AttentionSplitMergeCountAcrossLaunches) {
+  const AttentionShape s{32, 4, 128};  // 8 q heads a kv head: several mergers a pair
+  struct Step {
+    std::vector<int32_t> positions;
+    int64_t window;
+  };
+  const std::vector<Step> steps = {{{3000}, 0},           {{40}, 0},    {{5000}, 1000},
+                                   {{700, 2900, 12}, 0}, {{9000}, 4096}, {{2500}, 0}};
+  for (int round = 0; round < 2; ++round) {
+    for (const Step& step : steps) {
+      const int64_t ctx = *std::max_element(step.positions.begin(), step.positions.end()) + 1;
+      expect_attention_close(s, step.positions, ctx, ctx + 200,
+                             fmt::format("round {} position {} of {} window {}", round, step.positions[0],
+                                         step.positions.size(), step.window),
+                             2e-3, DType::F16, 4, nullptr, step.window);
+      release_buffers();
+    }
+  }
+}
+
 // Several sequences in one step (a server's batch): each sequence owns a row of the block table
 // (KvPages::seq_rows, table_stride) over one shared, shuffled pool; tokens of different
 // sequences and lengths are interleaved in one call. The KV write lands in each token's own
