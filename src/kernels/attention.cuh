@@ -169,7 +169,9 @@ __device__ __forceinline__ unsigned long long atomic_add_acq_rel_gpu(unsigned lo
 // depth 8192, 1.0% at 16384 (BENCHMARKS.md). The arrival is one acq_rel atomic (+0.1% against
 // fence.acq_rel.gpu and a relaxed atomic; __threadfence, fence.sc.gpu, measured the same); with no
 // release at all, which is not correct, the step was only 0.7% faster at depth 8192: what remains
-// of the merge tail is the partials' L2 trip under the o GEMV's weight burst.
+// of the merge tail is the last partial's way to the mergers under the o GEMV's weight burst, not
+// the partials' volume (merging each partial as it lands, with no count, tied at 8192:
+// docs/experiments/2026-11-28-attention-polled-merge.patch, BENCHMARKS.md).
 // Within a merger the threads are units of HD / 4 (one float4 of a head each); with fewer heads
 // than units, a head's splits are dealt round-robin to SG units, each walking its splits with an
 // online softmax (kMergeBatch loads at once), and the units' results are combined in unit order
