@@ -64,6 +64,17 @@ inline void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, Args&&.
   launch_pdl_smem(kernel, grid, block, 0, std::forward<Args>(args)...);
 }
 
+// A kernel's preferred split of an SM's L1 and shared memory (percent of the most shared memory,
+// cudaFuncAttributePreferredSharedMemoryCarveout; -1 the driver's default), set once a kernel.
+template <typename... Params>
+inline void prefer_smem_carveout(void (*kernel)(Params...), int percent) {
+  static std::map<const void*, int> seen;
+  auto [it, first] = seen.try_emplace(reinterpret_cast<const void*>(kernel), percent);
+  if (first || it->second != percent)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent);
+  it->second = percent;
+}
+
 inline unsigned sm_count() {
   static const unsigned count = [] {
     int n = 0;

@@ -443,6 +443,20 @@ static kernels::RouterAcc to_kernel(const RouterAcc& a, int64_t hidden, float ep
   return {a.sums, a.replicas, a.stride, hidden, eps};
 }
 
+// The folded o GEMV's shared-memory carveout: the most shared memory (100), though its blocks use
+// ~9 KB. Measured, not understood: +0.5-0.7% a Qwen3-30B-A3B INT4 decode step at depth 0 (+0.6%
+// with the 4-bit head), a tie at 8192 and 16384 with FP8 KV, on an H200; the same preference for
+// MoE gate/up lost 1.5-2.4%, for down 0.2%, for decode attention 0.3%, for every decode kernel
+// 1.1-2.2%; the q/k/v GEMV tied (BENCHMARKS.md, docs/experiments/2026-11-28-smem-carveout.patch).
+// NIBBLE_CARVEOUT_OFOLD=percent overrides it for A/B runs (-1: the driver's default).
+static int ofold_smem_carveout() {
+  static const int percent = [] {
+    const char* s = std::getenv("NIBBLE_CARVEOUT_OFOLD");
+    return s ? std::atoi(s) : 100;
+  }();
+  return percent;
+}
+
 bool gemv_int4_router_fold(const Int4Device& w, const float* bias, const float* x, float* y, int64_t n, int64_t k,
                            const void* router, bool bf16, const float* norm, int64_t n_experts, const RouterAcc& acc,
                            void* xg) {
@@ -457,6 +471,7 @@ bool gemv_int4_router_fold(const Int4Device& w, const float* bias, const float* 
       if (n % 16 != 0 || n_experts > kernels::kFoldExpertsPerThread * threads) return;
       const auto kernel = kernels::gemv_int4_mma_kernel<CPG.value, false, KS.value, 1, true, SUB.value>;
       allow_smem(kernel, smem);
+      prefer_smem_carveout(kernel, ofold_smem_carveout());
       // The sums' norm fields are the readers' (moe_decode_int4): unused here.
       const kernels::RouterFold fold{static_cast<const uint16_t*>(router), norm, static_cast<__half*>(xg),
                                      to_kernel(acc, n, 0.f), n_experts, bf16};
