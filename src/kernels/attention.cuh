@@ -36,30 +36,17 @@ __device__ __forceinline__ int64_t window_first(int64_t n_ctx, int64_t window) {
 __device__ __forceinline__ float sink_logit(const AttentionMods& mods, int64_t h) {
   return mods.sinks ? mods.sinks[h] : -__builtin_huge_valf();
 }
-// The softmax denominator's sink term folded into (max, sum, value) on the way out: the result is
-// value · e^(max - m') / (sum · e^(max - m') + e^(sink - m')), m' = max(max, sink).
-__device__ __forceinline__ float with_sink(float value, float max_ln, float sum, float sink) {
-  if (sink == -__builtin_huge_valf()) return value / sum;
-  const float m2 = fmaxf(max_ln, sink), a = expf(max_ln - m2);
-  return value * a / (sum * a + expf(sink - m2));
-}
-// The same as one factor for all of a head's values (value · factor), computed once per lane:
-// per value, the divisions and the sink's exponentials cost ~0.8% of a Qwen3 decode step at depth
-// 0, in decode attention's tail (BENCHMARKS.md). The denominator is at least 1 (sum holds the max
-// position's own e^0, and with a sink either a = 1 or its term is e^0), well inside the range
-// where the fast division is accurate to 2 ulp.
+// The softmax denominator's sink term folded into (max, sum) on the way out, as one factor for
+// all of a head's values: value · e^(max - m') / (sum · e^(max - m') + e^(sink - m')) = value ·
+// factor, m' = max(max, sink). One factor a lane instead of a division (and with a sink two
+// exponentials) a value: ~0.8% of a Qwen3 decode step at depth 0, in decode attention's tail
+// (BENCHMARKS.md). The denominator is at least 1 (sum holds the max position's own e^0, and with
+// a sink either a = 1 or its term is e^0), well inside the range where the fast division is
+// accurate to 2 ulp.
 __device__ __forceinline__ float sink_factor(float max_ln, float sum, float sink) {
   if (sink == -__builtin_huge_valf()) return __fdividef(1.f, sum);
   const float m2 = fmaxf(max_ln, sink), a = __expf(max_ln - m2);
   return __fdividef(a, sum * a + __expf(sink - m2));
-}
-// 2^x by the SFU alone (ex2.approx.ftz: 2 ulp, subnormal results flushed to 0, 2^-inf = 0), where
-// exp2f adds a branch-free rescale for subnormal results: in a softmax a term below 2^-126 of the
-// max's is nothing.
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // One step of the online softmax: folds a score and its value row (this lane's dims
@@ -115,10 +102,11 @@ __global__ void attention_online_warp_kernel(const float* __restrict__ q, const 
     online_softmax_step(warp_sum(dot) * scale, vr, running_max, running_sum, acc);
   }
   float* oh = out + pair * head_dim;
+  const float f = sink_factor(running_max, running_sum, sink_logit(mods, h));
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const int64_t d = lane + 32 * j;
-    if (d < head_dim) oh[d] = with_sink(acc[j], running_max, running_sum, sink_logit(mods, h));
+    if (d < head_dim) oh[d] = acc[j] * f;
   }
 }
 
@@ -253,7 +241,7 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
 #pragma unroll
       for (int j = 0; j < kMergeBatch; ++j) {
         if (!(ml[j].y > 0.f)) continue;  // a split with no positions (or none left)
-        const float m2 = fmaxf(mx, ml[j].x), a = expf(mx - m2), b = expf(ml[j].x - m2);
+        const float m2 = fmaxf(mx, ml[j].x), a = __expf(mx - m2), b = __expf(ml[j].x - m2);
         l = l * a + ml[j].y * b;
         o = make_float4(o.x * a + v[j].x * b, o.y * a + v[j].y * b, o.z * a + v[j].z * b, o.w * a + v[j].w * b);
         mx = m2;
@@ -262,15 +250,9 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
   };
   auto finish = [&](int hs, float mx, float l, float4 o) {
     const int64_t h = merger + int64_t(hs) * r_count;
-    const float sink = sink_logit(mods, kv * group + h);
-    if (sink != -kInf) {  // the sink joins the denominator (with_sink, for a float4)
-      const float m2 = fmaxf(mx, sink), a = expf(mx - m2);
-      l = l * a + expf(sink - m2);
-      o = make_float4(o.x * a, o.y * a, o.z * a, o.w * a);
-    }
-    const float inv = 1.f / l;
+    const float f = sink_factor(mx, l, sink_logit(mods, kv * group + h));
     reinterpret_cast<float4*>(out + (t * n_head + kv * group + h) * HD)[d4] =
-        make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+        make_float4(o.x * f, o.y * f, o.z * f, o.w * f);
   };
   if (sg_count == 1) {
     for (int hs = unit; hs < heads; hs += kUnits) {
@@ -298,7 +280,7 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
     for (int j = 1; j < sg_count; ++j) {  // units unit + j: the same head, dims d4
       const int i = tid + j * kLanes;
       if (!(s_l[i] > 0.f)) continue;
-      const float m2 = fmaxf(mx, s_mx[i]), a = expf(mx - m2), b = expf(s_mx[i] - m2);
+      const float m2 = fmaxf(mx, s_mx[i]), a = __expf(mx - m2), b = __expf(s_mx[i] - m2);
       const float4 v = s_o[i];
       l = l * a + s_l[i] * b;
       o = make_float4(o.x * a + v.x * b, o.y * a + v.y * b, o.z * a + v.z * b, o.w * a + v.w * b);

@@ -32,7 +32,7 @@
 // fragment of n-tiles 2kk, 2kk+1 is the A fragment of k-step kk); V's B fragments come from
 // ldmatrix.trans of the position-major tile. Rows past m (or past 128 / group tokens) get
 // position -1: everything masked, nothing stored. The sink enters at the end, as the decode
-// kernels' with_sink: out = O · 2^(m - m') / (l · 2^(m - m') + 2^(sink - m')), m' = max(m, sink),
+// kernels' sink_factor: out = O · 2^(m - m') / (l · 2^(m - m') + 2^(sink - m')), m' = max(m, sink),
 // all in the scaled log2 units of the scores.
 #pragma once
 

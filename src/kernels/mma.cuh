@@ -113,10 +113,20 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// 2^x by the SFU alone (ex2.approx.ftz: 2 ulp, subnormal results flushed to 0, 2^-inf = 0), where
+// exp2f adds a branch-free rescale for subnormal results: in a softmax a term below 2^-126 of the
+// max's is nothing.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // One tile of FlashAttention-2's online softmax on mma C fragments: s[nt] holds this thread's
 // scores (log2 units, masked ones -inf) of rows g (elements 0, 1) and g + 8 (2, 3), mx their
 // per-thread row maxima. Updates the running row max and sum (row_l stays per thread; quad-sum it
-// at the end), turns s into the numerators exp2(s - max) and rescales the output fragments o.
+// at the end), turns s into the numerators exp2(s - max) and rescales the output fragments o. The exponentials
+// are the SFU's alone (exp2_approx).
 template <int NT, int DT>
 __device__ __forceinline__ void online_softmax_tile(float (&s)[NT][4], const float (&mx)[2], float (&row_m)[2],
                                                     float (&row_l)[2], float (&o)[DT][4]) {
@@ -126,14 +136,14 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[NT][4], const flo
   for (int r = 0; r < 2; ++r) {
     const float m_new = fmaxf(row_m[r], quad_max(mx[r]));
     base[r] = m_new == -kInf ? 0.f : m_new;  // a row with nothing unmasked yet: keep exp2 finite
-    alpha[r] = exp2f(row_m[r] - base[r]);    // 0 on the first tile (row_m = -inf)
+    alpha[r] = exp2_approx(row_m[r] - base[r]);  // 0 on the first tile (row_m = -inf)
     row_m[r] = m_new;
   }
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      s[nt][c] = exp2f(s[nt][c] - base[c / 2]);
+      s[nt][c] = exp2_approx(s[nt][c] - base[c / 2]);
       sum[c / 2] += s[nt][c];
     }
 #pragma unroll
