@@ -37,16 +37,12 @@ __device__ __forceinline__ float sink_logit(const AttentionMods& mods, int64_t h
   return mods.sinks ? mods.sinks[h] : -__builtin_huge_valf();
 }
 // The softmax denominator's sink term folded into (max, sum) on the way out, as one factor for
-// all of a head's values: value · e^(max - m') / (sum · e^(max - m') + e^(sink - m')) = value ·
-// factor, m' = max(max, sink). One factor a lane instead of a division (and with a sink two
-// exponentials) a value: ~0.8% of a Qwen3 decode step at depth 0, in decode attention's tail
-// (BENCHMARKS.md). The denominator is at least 1 (sum holds the max position's own e^0, and with
-// a sink either a = 1 or its term is e^0), well inside the range where the fast division is
-// accurate to 2 ulp.
+// all of a head's values (sink_factor_log2, here in natural-log units): one factor a lane instead
+// of a division (and with a sink two exponentials) a value, ~0.8% of a Qwen3 decode step at depth
+// 0 in decode attention's tail (BENCHMARKS.md).
 __device__ __forceinline__ float sink_factor(float max_ln, float sum, float sink) {
-  if (sink == -__builtin_huge_valf()) return __fdividef(1.f, sum);
-  const float m2 = fmaxf(max_ln, sink), a = __expf(max_ln - m2);
-  return __fdividef(a, sum * a + __expf(sink - m2));
+  constexpr float kLog2e = 1.4426950408889634f;
+  return sink_factor_log2(max_ln * kLog2e, sum, sink * kLog2e);
 }
 
 // One step of the online softmax: folds a score and its value row (this lane's dims

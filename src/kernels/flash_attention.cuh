@@ -32,8 +32,8 @@
 // fragment of n-tiles 2kk, 2kk+1 is the A fragment of k-step kk); V's B fragments come from
 // ldmatrix.trans of the position-major tile. Rows past m (or past 128 / group tokens) get
 // position -1: everything masked, nothing stored. The sink enters at the end, as the decode
-// kernels' sink_factor: out = O · 2^(m - m') / (l · 2^(m - m') + 2^(sink - m')), m' = max(m, sink),
-// all in the scaled log2 units of the scores.
+// kernels' (sink_factor_log2 in kernels/mma.cuh): out = O · 2^(m - m') / (l · 2^(m - m') +
+// 2^(sink - m')), m' = max(m, sink), all in the scaled log2 units of the scores.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -240,13 +240,8 @@ __global__ void __launch_bounds__(kFlashThreads, 1)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float l = quad_sum(row_l[h]);
-    if (sinks && orow[h]) {
-      const float sink = sinks[row_head[h]] * 1.4426950408889634f, m2 = fmaxf(row_m[h], sink);
-      const float a = exp2f(row_m[h] - m2);
-      inv[h] = a / (l * a + exp2f(sink - m2));
-    } else {
-      inv[h] = l > 0.f ? 1.f / l : 0.f;
-    }
+    const float sink = sinks ? sinks[row_head[h]] * 1.4426950408889634f : -__builtin_huge_valf();
+    inv[h] = orow[h] ? sink_factor_log2(row_m[h], l, sink) : 0.f;  // a row not stored: nothing
   }
 #pragma unroll
   for (int d = 0; d < HD / 8; ++d) {

@@ -122,11 +122,22 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// A softmax's output factor with an attention sink, in log2 units (max, sink; -inf for none):
+// value · 2^(max - m') / (sum · 2^(max - m') + 2^(sink - m')) = value · factor, m' = max(max, sink),
+// one factor for all of a row's values. The denominator is at least 1 (sum holds the max
+// position's own 2^0, and with a sink either 2^(max - m') = 1 or its term is 2^0), well inside the
+// range where the fast division is accurate to 2 ulp. Prefill's and decode's attention share it.
+__device__ __forceinline__ float sink_factor_log2(float max, float sum, float sink) {
+  if (sink == -__builtin_huge_valf()) return __fdividef(1.f, sum);
+  const float m2 = fmaxf(max, sink), a = exp2_approx(max - m2);
+  return __fdividef(a, sum * a + exp2_approx(sink - m2));
+}
+
 // One tile of FlashAttention-2's online softmax on mma C fragments: s[nt] holds this thread's
 // scores (log2 units, masked ones -inf) of rows g (elements 0, 1) and g + 8 (2, 3), mx their
 // per-thread row maxima. Updates the running row max and sum (row_l stays per thread; quad-sum it
-// at the end), turns s into the numerators exp2(s - max) and rescales the output fragments o. The exponentials
-// are the SFU's alone (exp2_approx).
+// at the end), turns s into the numerators exp2(s - max) and rescales the output fragments o. The
+// exponentials are the SFU's alone (exp2_approx).
 template <int NT, int DT>
 __device__ __forceinline__ void online_softmax_tile(float (&s)[NT][4], const float (&mx)[2], float (&row_m)[2],
                                                     float (&row_l)[2], float (&o)[DT][4]) {
