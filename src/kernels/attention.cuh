@@ -4,10 +4,14 @@
 //   attention_decode_kernel: f32 KV, head_dim 64/128, GQA group <= 8, split-K on CUDA cores.
 //   attention_decode_tc_kernel: f16 KV (the default), head_dim 64/128, GQA group <= 16, split-K
 //     on the tensor cores.
-// The split-K kernels share the partial layout and the merge by the last split block.
+// The split-K kernels share the partial layout and the merge by the last split blocks; the
+// tensor-core kernel's splits may instead be one cluster's blocks, merged through distributed
+// shared memory (kCluster, sm_90 on: decode_merge_cluster).
 // All three take gpt-oss's AttentionMods: a sliding window (keys of the last `window` positions)
 // and a learned sink logit per q head that joins each softmax's denominator.
 #pragma once
+
+#include <cooperative_groups.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -287,6 +291,70 @@ __device__ void decode_merge_last_split(const float* __restrict__ partial, float
   }
 }
 
+// The merge of a (token, kv head)'s split partials when its splits are the blocks of one cluster
+// (attention_decode_tc_kernel<..., kCluster>): each block has left its heads' (max in log2 units,
+// sum, unnormalised O) in its shared memory, and block `rank` of C writes the outputs rank,
+// rank + C, ... (16-byte units, head-major) from every block's, read through distributed shared
+// memory: C consecutive lanes take one unit, a block's partial each, and meet by shuffles. No
+// partial goes through L2 and there is no arrival count: at depth 8192 the split merge by the last
+// splits kept ~4.5 µs a layer between the last partial and its end, the partials' L2 trip under
+// the o GEMV's weight burst (BENCHMARKS.md). Called by every thread of every block of the cluster;
+// C a power of two up to 16 (the non-portable cluster size).
+template <int HD, int ROWS, int kThreads>
+__device__ __forceinline__ void decode_merge_cluster(const float (&s_m)[ROWS], const float (&s_l)[ROWS],
+                                                     const float (&s_acc)[ROWS][HD], int rows,
+                                                     float* __restrict__ out_pair, const float* s_sink) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  constexpr int kUnits = HD / 4;
+  constexpr float kInf = __builtin_huge_valf(), kLog2e = 1.4426950408889634f;
+  constexpr int kPasses = (ROWS * kUnits + kThreads - 1) / kThreads;
+  static_assert(kThreads % 16 == 0, "a unit's lanes (a power of two up to 16) within a warp");
+  const int c = int(cluster.num_blocks()), rank = int(cluster.block_rank()), c_log2 = __ffs(c) - 1;
+  const int s = int(threadIdx.x) & (c - 1), j = int(threadIdx.x) >> c_log2, units = rows * kUnits;
+  cluster.sync();  // every block's partials in its shared memory
+  const float* rm = cluster.map_shared_rank(&s_m[0], unsigned(s));
+  const float* rl = cluster.map_shared_rank(&s_l[0], unsigned(s));
+  const float4* racc = reinterpret_cast<const float4*>(cluster.map_shared_rank(&s_acc[0][0], unsigned(s)));
+  // This thread's units: rank + c·i, i = pass · (kThreads / c) + j; the c lanes of a unit share it.
+  float mv[kPasses], lv[kPasses];
+  float4 vv[kPasses];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int f = rank + pass * kThreads + (j << c_log2);
+    const bool valid = f < units;
+    const int h = valid ? f / kUnits : 0;
+    mv[pass] = valid ? rm[h] : -kInf;
+    lv[pass] = valid ? rl[h] : 0.f;
+    vv[pass] = valid ? racc[f] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  cluster.barrier_arrive();  // this block has read the others' shared memory (it waits below)
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int f = rank + pass * kThreads + (j << c_log2);
+    float mx = mv[pass];
+    for (int o = c / 2; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const bool valid = f < units;  // a valid unit has a block with positions: mx finite
+    const float w = valid ? exp2_approx(mv[pass] - mx) : 0.f;
+    float l = lv[pass] * w;
+    float4 v = make_float4(vv[pass].x * w, vv[pass].y * w, vv[pass].z * w, vv[pass].w * w);
+    for (int o = c / 2; o > 0; o /= 2) {
+      l += __shfl_xor_sync(0xffffffffu, l, o);
+      v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+      v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+      v.z += __shfl_xor_sync(0xffffffffu, v.z, o);
+      v.w += __shfl_xor_sync(0xffffffffu, v.w, o);
+    }
+    if (valid && s == 0) {
+      const float fac = sink_factor_log2(mx, l, s_sink[f / kUnits] * kLog2e);
+      reinterpret_cast<float4*>(out_pair)[f] = make_float4(v.x * fac, v.y * fac, v.z * fac, v.w * fac);
+    }
+  }
+  cluster.barrier_wait();  // every block has read this one's
+#endif
+}
+
 // Before pdl_wait: fetch into L2 the K/V rows of a split's positions [begin, begin + split) that
 // earlier steps wrote (those before `written`, the token's own position). K/V rows of earlier
 // steps cannot change, and positions and the block table are the step's inputs, copied from the
@@ -473,7 +541,7 @@ __device__ __forceinline__ float* decode_tc_o_unit(float* row_base, int row, int
 // layer, but at depth 0 the work lands on attention's few blocks: even for Qwen3-30B-A3B there,
 // +0.7% at depth 8192, +1% for gpt-oss-20b (BENCHMARKS.md). Its inputs: kernels/attention_prologue.h.
 
-template <int HD, int SPLIT, int WARPS, int ROWS, typename T>
+template <int HD, int SPLIT, int WARPS, int ROWS, typename T, bool kCluster = false>
 __global__ void __launch_bounds__(32 * WARPS)
 attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const int32_t* __restrict__ tables, const int32_t* __restrict__ seq_rows,
@@ -484,6 +552,9 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
                            T* __restrict__ k_out, T* __restrict__ v_out, int mergers) {
   static_assert(HD == 64 || HD == 128);
   static_assert(SPLIT % (WARPS * kDecodeTcTile) == 0 && (ROWS == 8 || ROWS == 16));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (kCluster) return;  // clusters are sm_90's: the launcher never picks them before
+#endif
   constexpr int kDecodeTcWarps = WARPS;
   constexpr int kThreads = 32 * kDecodeTcWarps;
   constexpr int kChunks = HD / 32;         // 16-byte K units per row and thread
@@ -495,31 +566,47 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   // of gpt-oss-120b's ~4.7 µs attention at depth 0 (in-kernel timeline, H100).
   __shared__ __align__(16) float s_m[ROWS][kDecodeTcWarps], s_l[ROWS][kDecodeTcWarps];
   __shared__ __align__(16) float s_o[kDecodeTcWarps][ROWS][HD];
-  const int64_t t = blockIdx.x / n_head_kv, kv = blockIdx.x % n_head_kv, split = blockIdx.y;
+  // kCluster: the pair is blockIdx.y and its splits are the blocks of one cluster (blockIdx.x, the
+  // cluster rank), which merge through distributed shared memory (the end of this kernel).
+  const int64_t pair = kCluster ? blockIdx.y : blockIdx.x, split = kCluster ? blockIdx.x : blockIdx.y;
+  const int64_t t = pair / n_head_kv, kv = pair % n_head_kv;
   const int group = int(n_head / n_head_kv);
   const int32_t* block_table = kv_token_table(tables, seq_rows, table_stride, t);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int64_t row_stride = n_head_kv * HD;
   const T* kbase = k + kv * HD;
   const T* vbase = v + kv * HD;
-  const int64_t begin = split * SPLIT;
   auto row_of = [&](int64_t pos) { return kv_pool_row(block_table, block_size_log2, pos) * row_stride; };
-  // Splits past the token's position (the context bucket sizes the grid; the position is known
-  // only on the device) end here: they write nothing and the merge counts only the others.
-  // So do splits wholly before a sliding window's first position `lo`.
   const int64_t n_ctx = int64_t(positions[t]) + 1;
-  const int64_t n_active = ::min(n_splits, (n_ctx + SPLIT - 1) / SPLIT);
-  const int64_t lo = window_first(n_ctx, mods.window), first_split = lo / SPLIT;
-  if (split >= n_active || split < first_split) return;
+  const int64_t lo = window_first(n_ctx, mods.window);
+  // The split's positions [begin, begin + span), of which [max(begin, lo), end) are attended.
+  int64_t begin, span, n_active = n_splits, first_split = 0;
+  if constexpr (kCluster) {
+    // The context's tiles from lo's dealt out evenly, a contiguous run a block: every block stays
+    // (the cluster's barriers count them all), one with none stores an empty partial.
+    const int64_t tile0 = lo / kDecodeTcTile, tiles_all = (n_ctx - 1) / kDecodeTcTile - tile0 + 1;
+    const int64_t per = (tiles_all + n_splits - 1) / n_splits;
+    span = per * kDecodeTcTile;
+    begin = (tile0 + split * per) * kDecodeTcTile;
+  } else {
+    // Splits past the token's position (the context bucket sizes the grid; the position is known
+    // only on the device) end here: they write nothing and the merge counts only the others.
+    // So do splits wholly before a sliding window's first position `lo`.
+    span = SPLIT;
+    begin = split * SPLIT;
+    n_active = ::min(n_splits, (n_ctx + SPLIT - 1) / SPLIT);
+    first_split = lo / SPLIT;
+    if (split >= n_active || split < first_split) return;
+  }
   NIBBLE_TIMELINE_BLOCK(kAttentionTc);
   const int64_t from = ::max(begin, lo);
   prefetch_split_rows<HD, kThreads>(kbase, vbase, block_table, block_size_log2, row_stride, from,
-                                    begin + SPLIT - from, positions[t]);
+                                    begin + span - from, positions[t]);
   // The fused prologue's inputs that need no predecessor: norm weights and the rotation at the
   // token's position (the same f32 angle as qk_norm_rope_kv_write_kernel).
   const bool fused = pro.q_in != nullptr;
   const int64_t pos_new = n_ctx - 1;
-  const bool writes_new = fused && split == pos_new / SPLIT;  // this block's split holds the new row
+  const bool writes_new = fused && pos_new >= begin && pos_new < begin + span;  // this split holds the new row
   __shared__ float s_qw[HD], s_kw[HD], s_cos[HD / 2], s_sin[HD / 2];
   __shared__ __align__(16) T s_knew[HD], s_vnew[HD];
   if (fused) {
@@ -560,7 +647,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   const int rows = ::min(group, ROWS);
   pdl_enter_at<kPdlAttention, kPdlAfterProducts>();
   NIBBLE_TIMELINE_WAITED();
-  const int64_t end = ::min(n_ctx, begin + int64_t(SPLIT));
+  const int64_t end = ::min(n_ctx, begin + span);
   // The new row is the business of the one warp whose tiles hold its position (the others never
   // read it, so no block barrier waits for it): its raw key and value first, so that their L2
   // trip overlaps the queries' below instead of following it.
@@ -736,7 +823,10 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   pdl_trigger_at<kPdlAttention, kPdlAfterProducts>(kPdlAfterInput);
   __syncthreads();
   NIBBLE_TIMELINE_MARK_AT(8);  // every warp's rows there
-  const bool only = n_active - first_split == 1;
+  const bool only = !kCluster && n_active - first_split == 1;
+  // kCluster: this block's heads' (max in log2 units, sum, unnormalised O) for the cluster merge.
+  __shared__ __align__(16) float s_cm[ROWS], s_cl[ROWS], s_cacc[kCluster ? ROWS : 1][kCluster ? HD : 4];
+  const bool empty = end <= from;  // a cluster's block with no positions (the others have some)
   // The warps that had tiles: tiles tile_lo .. tile_lo + tiles - 1 of the split, tile i in warp
   // i mod WARPS. At depth 0 most warps have none, and their rows are not read.
   const int tile_lo = int((::max(begin, lo) - begin) / kDecodeTcTile);
@@ -747,6 +837,11 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   constexpr int kPerLane = HD / 32;
   using Vec = std::conditional_t<kPerLane == 2, float2, float4>;
   for (int h = warp; h < rows; h += kDecodeTcWarps) {
+    if (kCluster && empty) {
+      if (lane == 0) s_cm[h] = -kInf, s_cl[h] = 0.f;
+      *reinterpret_cast<Vec*>(&s_cacc[h][kPerLane * lane]) = Vec{};
+      continue;
+    }
     float m[kDecodeTcWarps], ls[kDecodeTcWarps];
 #pragma unroll
     for (int w = 0; w < kDecodeTcWarps; w += 4) {
@@ -783,9 +878,21 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
       for (int j = 0; j < kPerLane; ++j) acc[j] += pv[j] * f;
     }
     NIBBLE_TIMELINE_MARK_AFTER(10, acc[0] + l);  // the head's rows weighed
-    // The max in log2 units here, natural-log units in the partial.
-    decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, only, kPerLane * lane, acc,
-                           mx * 0.6931471805599453f, l, s_sink[h]);
+    if constexpr (kCluster) {
+      if (lane == 0) s_cm[h] = mx, s_cl[h] = l;
+      Vec a;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) (&a.x)[j] = acc[j];
+      *reinterpret_cast<Vec*>(&s_cacc[h][kPerLane * lane]) = a;
+    } else {
+      // The max in log2 units here, natural-log units in the partial.
+      decode_store_split<HD>(out, partial, t * n_head + kv * group + h, split, n_splits, only, kPerLane * lane, acc,
+                             mx * 0.6931471805599453f, l, s_sink[h]);
+    }
+  }
+  if constexpr (kCluster) {
+    decode_merge_cluster<HD, ROWS, kThreads>(s_cm, s_cl, s_cacc, rows, out + (t * n_head + kv * group) * HD, s_sink);
+    return;
   }
   NIBBLE_TIMELINE_MARK_AT(7);  // the outputs stored
   if (only) return;

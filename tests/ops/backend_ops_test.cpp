@@ -421,6 +421,7 @@ TEST_F(OpsTest, Attention) {
 // so every pair's count has passed several launches.
 TEST_F(OpsTest, AttentionSplitMergeCountAcrossLaunches) {
   const AttentionShape s{32, 4, 128};  // 8 q heads a kv head: several mergers a pair
+  ::setenv("NIBBLE_ATTN_CLUSTER", "0", 1);  // the merge through L2 at every context
   struct Step {
     std::vector<int32_t> positions;
     int64_t window;
@@ -437,6 +438,42 @@ TEST_F(OpsTest, AttentionSplitMergeCountAcrossLaunches) {
       release_buffers();
     }
   }
+  ::unsetenv("NIBBLE_ATTN_CLUSTER");
+}
+
+// Decode attention's splits as the blocks of one cluster, merged through distributed shared memory
+// (CUDA, sm_90 on; NIBBLE_ATTN_CLUSTER forces the cluster size, where every pair's cluster fits
+// at once, else the launcher falls back to the merge through L2): one position (all but one block
+// empty), a few tiles, contexts to 9,001, a sliding window past the first blocks, several tokens
+// of different lengths, GQA groups of 8 and 16 (4 warps a block), gpt-oss's shape with sinks,
+// f16 and E4M3 caches. The split merge through L2 runs in AttentionSplitMergeCountAcrossLaunches.
+TEST_F(OpsTest, AttentionClusterMerge) {
+  struct Case {
+    AttentionShape s;
+    std::vector<int32_t> positions;
+    int64_t window;
+    bool sinks;
+  };
+  const std::vector<Case> cases = {{{32, 4, 128}, {0}, 0, false},       {{32, 4, 128}, {39}, 0, false},
+                                   {{32, 4, 128}, {700}, 0, false},     {{32, 4, 128}, {9000}, 0, false},
+                                   {{32, 4, 128}, {5000}, 1000, false}, {{32, 4, 128}, {700, 2900, 12}, 0, false},
+                                   {{16, 1, 64}, {3000}, 0, false},     {{64, 8, 64}, {2500}, 128, true},
+                                   {{64, 8, 64}, {130}, 128, true}};
+  for (const char* size : {"8", "16"}) {
+    ::setenv("NIBBLE_ATTN_CLUSTER", size, 1);
+    for (DType dtype : {DType::F16, DType::F8_E4M3}) {
+      for (const Case& c : cases) {
+        const int64_t ctx = *std::max_element(c.positions.begin(), c.positions.end()) + 1;
+        const std::vector<float> sinks = c.sinks ? random(c.s.n_head) : std::vector<float>{};
+        expect_attention_close(c.s, c.positions, ctx, ctx + 100,
+                               fmt::format("cluster {} {}/{}x{} position {} of {} window {}", size, c.s.n_head,
+                                           c.s.n_head_kv, c.s.head_dim, c.positions[0], c.positions.size(), c.window),
+                               2e-3, dtype, 4, c.sinks ? &sinks : nullptr, c.window);
+        release_buffers();
+      }
+    }
+  }
+  ::unsetenv("NIBBLE_ATTN_CLUSTER");
 }
 
 // Several sequences in one step (a server's batch): each sequence owns a row of the block table
@@ -513,10 +550,12 @@ TEST_F(OpsTest, QkNormRopeAttentionFused) {
   for (DType dtype : {DType::F16, DType::F8_E4M3}) {
     for (Shape s : {Shape{32, 4, 128}, Shape{64, 8, 64}}) {
       const bool gpt_oss = s.head_dim == 64;
-      for (int64_t m : {1, 5}) {
+      // One token at 700 and at 3,000 positions (on sm_90 both split over a cluster's blocks), five at once.
+      for (auto [m, one] : {std::pair<int64_t, int32_t>{1, 700}, {1, 3000}, {5, 0}}) {
         const int64_t row = s.n_head_kv * s.head_dim, nq = s.n_head * s.head_dim, total_row = nq + 2 * row;
         std::vector<int32_t> contexts;
-        for (int64_t t = 0; t < m; ++t) contexts.push_back(int32_t(m == 1 ? 700 : 1 + (t * 397 + 13) % 1100));
+        for (int64_t t = 0; t < m; ++t) contexts.push_back(int32_t(m == 1 ? one : 1 + (t * 397 + 13) % 1100));
+        const int64_t max_context = std::max<int64_t>(1200, one + 100);
         Sequences seqs = sequences(contexts, row, dtype);
         PagedKv& kv = seqs.kv;
         const KvPages &host = seqs.host, &dev = seqs.dev;
@@ -541,16 +580,16 @@ TEST_F(OpsTest, QkNormRopeAttentionFused) {
         const int64_t window = gpt_oss ? 128 : 0;
         const auto qkv = random(m * total_row, 2.f);
         const float scale = 1.f / std::sqrt(float(s.head_dim));
-        const std::string what = fmt::format("fused prologue {}/{}x{} m={} {}", s.n_head, s.n_head_kv, s.head_dim, m,
-                                             dtype_name(dtype));
+        const std::string what = fmt::format("fused prologue {}/{}x{} m={} context {} {}", s.n_head, s.n_head_kv,
+                                             s.head_dim, m, contexts[0], dtype_name(dtype));
         std::vector<float> want(size_t(m * nq)), q_scratch(size_t(m * nq));
         cpu_->qk_norm_rope_attention(qkv.data(), total_row, qkv.data() + nq, qkv.data() + nq + row, total_row, qn, kn,
-                                     1e-6f, rope, positions.data(), m, s.n_head, s.n_head_kv, s.head_dim, host, 1200,
+                                     1e-6f, rope, positions.data(), m, s.n_head, s.n_head_kv, s.head_dim, host, max_context,
                                      scale, q_scratch.data(), want.data(), gpt_oss ? sinks.data() : nullptr, window);
         float* dqkv = on_gpu(qkv);
         float* out = poisoned_gpu(m * nq);
         gpu_->qk_norm_rope_attention(dqkv, total_row, dqkv + nq, dqkv + nq + row, total_row, dqn, dkn, 1e-6f, dev_rope,
-                                     on_gpu(positions), m, s.n_head, s.n_head_kv, s.head_dim, dev, 1200, scale,
+                                     on_gpu(positions), m, s.n_head, s.n_head_kv, s.head_dim, dev, max_context, scale,
                                      poisoned_gpu(m * nq), out, gpt_oss ? on_gpu(sinks) : nullptr, window);
         expect_close(to_host(out, m * nq), want, what + " attention", dtype == DType::F8_E4M3 ? 1e-2 : 2e-3);
         for (bool values : {false, true}) {

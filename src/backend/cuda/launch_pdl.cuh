@@ -75,6 +75,31 @@ inline void prefer_smem_carveout(void (*kernel)(Params...), int percent) {
   it->second = percent;
 }
 
+// Clusters of `cluster` blocks of `kernel` (`threads` a block, `smem` bytes of dynamic shared
+// memory) that can be resident at once, 0 where none can (memoised). Sizes past the portable 8
+// are allowed for the kernel first.
+template <typename... Params>
+inline int max_active_clusters(void (*kernel)(Params...), int threads, size_t smem, unsigned cluster) {
+  static std::map<std::pair<const void*, std::pair<size_t, unsigned>>, int> seen;
+  auto [it, first] = seen.try_emplace({reinterpret_cast<const void*>(kernel), {smem, cluster}}, 0);
+  if (first && clusters_supported()) {
+    if (cluster > 8) cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim = {cluster, 1, 1};
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(cluster);
+    config.blockDim = dim3(unsigned(threads));
+    config.dynamicSmemBytes = smem;
+    config.attrs = &attr;
+    config.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &config) == cudaSuccess) it->second = n;
+    cudaGetLastError();  // a size the device refuses: none
+  }
+  return it->second;
+}
+
 inline unsigned sm_count() {
   static const unsigned count = [] {
     int n = 0;

@@ -637,6 +637,30 @@ static int attention_mergers(int64_t pairs, int64_t group) {
   return int(std::clamp<int64_t>(std::min<int64_t>({fit, (group + 1) / 2, cap}), 1, 1 << 30));
 }
 
+// Blocks a cluster when a (token, kv head) pair's splits are one cluster's blocks and merge
+// through distributed shared memory (attention_decode_tc_kernel<..., kCluster>), 0 for the split
+// merge through L2 (decode_merge_last_split). By context bucket: up to 256 one split holds every
+// position and needs no merge; to 1024, 8 blocks; to 4096, 16; past that the 256-position splits
+// (33 blocks a pair at depth 8192), whose loads a cluster's 16 blocks do not match. Qwen3-30B-A3B
+// INT4 tg128 on an H200 (BENCHMARKS.md), merge through L2 against this choice: depth 300 520 ->
+// 580, 512 519 -> 576, 1024 517 -> 560, 2048 518 -> 540, 3072 517 -> 533 (8 blocks there 506);
+// 16 blocks at 6144 and 8192 lost 5% and 8% (8 blocks 12% and 17%). Only where every pair's
+// cluster is resident at once (an H200 holds 7 clusters of 16 one-block-an-SM blocks, 15 of 8).
+// NIBBLE_ATTN_CLUSTER=0, 8 or 16 overrides the choice (read at each launch: A/B runs and tests),
+// 0 the merge through L2.
+template <typename... Params>
+static unsigned attention_cluster(void (*kernel)(Params...), int threads, int64_t pairs, int64_t max_context) {
+  if (!clusters_supported()) return 0;
+  const char* env = std::getenv("NIBBLE_ATTN_CLUSTER");
+  const int forced = env && *env ? std::atoi(env) : -1;
+  const unsigned c = forced >= 0                ? unsigned(forced == 8 || forced == 16 ? forced : 0)
+                     : max_context <= 256      ? 0u
+                     : max_context <= 1024     ? 8u
+                     : max_context <= 4096     ? 16u
+                                               : 0u;
+  return c > 0 && int64_t(max_active_clusters(kernel, threads, 0, c)) >= pairs ? c : 0;
+}
+
 bool attention_decode(const float* q, const KvPages& kv, float* partial, float* out, unsigned long long* counters, int64_t m,
                       const int32_t* positions, int64_t max_context, int64_t n_head, int64_t n_head_kv,
                       int64_t head_dim, float scale, const float* sinks, int64_t window,
@@ -656,12 +680,23 @@ bool attention_decode(const float* q, const KvPages& kv, float* partial, float* 
     auto launch = [&](auto HD, auto SPLIT, auto WARPS, auto ROWS) {
       kernels::with_kv_element(kv.dtype, [&](auto element) {
         using T = decltype(element);
-        if constexpr (!std::is_same_v<T, float>)
+        if constexpr (!std::is_same_v<T, float>) {
+          // The cluster kernel sizes its splits itself: one instantiation, whatever the bucket.
+          auto* clustered = kernels::attention_decode_tc_kernel<HD.value, 256, WARPS.value, ROWS.value, T, true>;
+          if (const unsigned c = attention_cluster(clustered, 32 * WARPS.value, m * n_head_kv, max_context)) {
+            launch_pdl_cluster(clustered, dim3(c, unsigned(m * n_head_kv)), dim3(32 * WARPS.value), 0, c, q,
+                               static_cast<const T*>(kv.k), static_cast<const T*>(kv.v), kv.block_table, kv.seq_rows,
+                               kv.table_stride, kv.block_size_log2, partial, out, counters, positions, n_head,
+                               n_head_kv, scale_log2, int64_t(c), mods, pro, static_cast<T*>(kv.k),
+                               static_cast<T*>(kv.v), mergers);
+            return;
+          }
           launch_pdl(kernels::attention_decode_tc_kernel<HD.value, SPLIT.value, WARPS.value, ROWS.value, T>, grid,
                      32 * WARPS.value, q, static_cast<const T*>(kv.k), static_cast<const T*>(kv.v), kv.block_table,
                      kv.seq_rows, kv.table_stride, kv.block_size_log2, partial, out, counters, positions, n_head,
                      n_head_kv, scale_log2, n_splits, mods, pro, static_cast<T*>(kv.k), static_cast<T*>(kv.v),
                      mergers);
+        }
       });
     };
     auto with_rows = [&](auto HD, auto SPLIT) {
