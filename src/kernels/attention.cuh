@@ -373,6 +373,21 @@ __device__ __forceinline__ void prefetch_split_rows(const T* kbase, const T* vba
   }
 }
 
+// The same rows, K's and V's line of a row from one block-table lookup, with 32-bit indices (no
+// 64-bit division a prefetch).
+template <int HD, int kThreads, typename T>
+__device__ __forceinline__ void prefetch_split_kv_rows(const T* kbase, const T* vbase, const int32_t* block_table,
+                                                       int block_size_log2, int64_t row_stride, int64_t begin,
+                                                       int64_t split, int64_t written) {
+  constexpr int kPerLine = 128 / int(sizeof(T)), kLines = (HD + kPerLine - 1) / kPerLine;
+  const int rows = int(::max(int64_t(0), ::min(split, written - begin)));
+  for (int i = threadIdx.x; i < rows * kLines; i += kThreads) {
+    const int64_t off = kv_pool_row(block_table, block_size_log2, begin + i / kLines) * row_stride + (i % kLines) * kPerLine;
+    prefetch_l2(kbase + off);
+    prefetch_l2(vbase + off);
+  }
+}
+
 // Decode attention on CUDA cores for f32 KV, GQA groups of G <= 8 q heads and head_dim HD (64 or
 // 128). Block (token, kv head, split of SPLIT positions), 256 threads:
 //   1. scores: thread i owns position begin + i and computes its dot product with all G queries
@@ -571,8 +586,23 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   const int64_t pair = kCluster ? blockIdx.y : blockIdx.x, split = kCluster ? blockIdx.x : blockIdx.y;
   const int64_t t = pair / n_head_kv, kv = pair % n_head_kv;
   const int group = int(n_head / n_head_kv);
-  const int32_t* block_table = kv_token_table(tables, seq_rows, table_stride, t);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  // The loads before the wait that depend on no other load (the fused prologue's norm weights
+  // and frequencies, the heads' sinks) asked for first, beside the position and the block table's
+  // row, so that they share one L2 round trip: after the K/V prefetch's lookups, as they were, the
+  // chain before the wait was ~2.9 µs, and most blocks start only as q/k/v's blocks leave (they do
+  // not fit an SM beside one), so it was on the step's path. Qwen3-30B-A3B INT4 tg128 on an H200
+  // (BENCHMARKS.md): +2.0% at depth 0, +1.6% at 2048, +3.0% at 8192, +2.0% at 16384 with FP8 KV.
+  const bool fused = pro.q_in != nullptr;
+  static_assert(HD <= kThreads, "a thread a dim for the norm weights");
+  float pre_qw = 1.f, pre_kw = 1.f, pre_freq = 0.f, pre_sink = -kInf;
+  if (fused && tid < HD) {
+    if (pro.q_norm) pre_qw = pro.q_norm[tid];
+    if (pro.k_norm) pre_kw = pro.k_norm[tid];
+    if (tid < HD / 2) pre_freq = pro.inv_freq[tid];
+  }
+  if (tid < ROWS && tid < group) pre_sink = sink_logit(mods, kv * group + tid);
+  const int32_t* block_table = kv_token_table(tables, seq_rows, table_stride, t);
   const int64_t row_stride = n_head_kv * HD;
   const T* kbase = k + kv * HD;
   const T* vbase = v + kv * HD;
@@ -600,23 +630,22 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   }
   NIBBLE_TIMELINE_BLOCK(kAttentionTc);
   const int64_t from = ::max(begin, lo);
-  prefetch_split_rows<HD, kThreads>(kbase, vbase, block_table, block_size_log2, row_stride, from,
-                                    begin + span - from, positions[t]);
+  prefetch_split_kv_rows<HD, kThreads>(kbase, vbase, block_table, block_size_log2, row_stride, from,
+                                       begin + span - from, n_ctx - 1);
   // The fused prologue's inputs that need no predecessor: norm weights and the rotation at the
   // token's position (the same f32 angle as qk_norm_rope_kv_write_kernel).
-  const bool fused = pro.q_in != nullptr;
   const int64_t pos_new = n_ctx - 1;
   const bool writes_new = fused && pos_new >= begin && pos_new < begin + span;  // this split holds the new row
   __shared__ float s_qw[HD], s_kw[HD], s_cos[HD / 2], s_sin[HD / 2];
   __shared__ __align__(16) T s_knew[HD], s_vnew[HD];
   if (fused) {
     for (int i = tid; i < HD; i += kThreads) {
-      s_qw[i] = pro.q_norm ? pro.q_norm[i] : 1.f;
-      s_kw[i] = pro.k_norm ? pro.k_norm[i] : 1.f;
+      s_qw[i] = pre_qw;  // i == tid (HD <= kThreads)
+      s_kw[i] = pre_kw;
     }
     for (int i = tid; i < HD / 2; i += kThreads) {
       float sn, cs;
-      sincosf(float(pos_new) * pro.inv_freq[i], &sn, &cs);
+      sincosf(float(pos_new) * pre_freq, &sn, &cs);
       s_cos[i] = cs * pro.attention_factor, s_sin[i] = sn * pro.attention_factor;
     }
   }
@@ -643,7 +672,7 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   // The heads' sink logits read before the wait too: after the loop, where the merge needs them,
   // a global read would queue behind the o GEMV's weights, released by then.
   __shared__ float s_sink[ROWS];
-  if (tid < ROWS) s_sink[tid] = tid < group ? sink_logit(mods, kv * group + tid) : -kInf;
+  if (tid < ROWS) s_sink[tid] = pre_sink;
   const int rows = ::min(group, ROWS);
   pdl_enter_at<kPdlAttention, kPdlAfterProducts>();
   NIBBLE_TIMELINE_WAITED();
