@@ -359,26 +359,13 @@ __device__ __forceinline__ void decode_merge_cluster(const float (&s_m)[ROWS], c
 // earlier steps wrote (those before `written`, the token's own position). K/V rows of earlier
 // steps cannot change, and positions and the block table are the step's inputs, copied from the
 // host before the step, never a kernel's output, so reading them here keeps the PDL rule.
+// K's and V's line of a row come from one block-table lookup, in 32-bit indices (a 64-bit
+// division a prefetch before: on decode attention's chain before its wait, BENCHMARKS.md).
 template <int HD, int kThreads, typename T>
 __device__ __forceinline__ void prefetch_split_rows(const T* kbase, const T* vbase, const int32_t* block_table,
                                                     int block_size_log2, int64_t row_stride, int64_t begin,
                                                     int64_t split, int64_t written) {
   // 128-byte lines per row (an E4M3 row of 64 dims is half a line: one)
-  constexpr int kPerLine = 128 / int(sizeof(T)), kLines = (HD + kPerLine - 1) / kPerLine;
-  const int64_t rows = ::max(int64_t(0), ::min(split, written - begin));
-  for (int64_t i = threadIdx.x; i < 2 * rows * kLines; i += kThreads) {
-    const int64_t line = i % (rows * kLines), pos = begin + line / kLines;
-    prefetch_l2((i < rows * kLines ? kbase : vbase) + kv_pool_row(block_table, block_size_log2, pos) * row_stride +
-                (line % kLines) * kPerLine);
-  }
-}
-
-// The same rows, K's and V's line of a row from one block-table lookup, with 32-bit indices (no
-// 64-bit division a prefetch).
-template <int HD, int kThreads, typename T>
-__device__ __forceinline__ void prefetch_split_kv_rows(const T* kbase, const T* vbase, const int32_t* block_table,
-                                                       int block_size_log2, int64_t row_stride, int64_t begin,
-                                                       int64_t split, int64_t written) {
   constexpr int kPerLine = 128 / int(sizeof(T)), kLines = (HD + kPerLine - 1) / kPerLine;
   const int rows = int(::max(int64_t(0), ::min(split, written - begin)));
   for (int i = threadIdx.x; i < rows * kLines; i += kThreads) {
@@ -630,23 +617,20 @@ attention_decode_tc_kernel(const float* __restrict__ q, const T* __restrict__ k,
   }
   NIBBLE_TIMELINE_BLOCK(kAttentionTc);
   const int64_t from = ::max(begin, lo);
-  prefetch_split_kv_rows<HD, kThreads>(kbase, vbase, block_table, block_size_log2, row_stride, from,
-                                       begin + span - from, n_ctx - 1);
+  prefetch_split_rows<HD, kThreads>(kbase, vbase, block_table, block_size_log2, row_stride, from,
+                                    begin + span - from, n_ctx - 1);
   // The fused prologue's inputs that need no predecessor: norm weights and the rotation at the
   // token's position (the same f32 angle as qk_norm_rope_kv_write_kernel).
   const int64_t pos_new = n_ctx - 1;
   const bool writes_new = fused && pos_new >= begin && pos_new < begin + span;  // this split holds the new row
   __shared__ float s_qw[HD], s_kw[HD], s_cos[HD / 2], s_sin[HD / 2];
   __shared__ __align__(16) T s_knew[HD], s_vnew[HD];
-  if (fused) {
-    for (int i = tid; i < HD; i += kThreads) {
-      s_qw[i] = pre_qw;  // i == tid (HD <= kThreads)
-      s_kw[i] = pre_kw;
-    }
-    for (int i = tid; i < HD / 2; i += kThreads) {
+  if (fused && tid < HD) {  // a thread a dim (HD <= kThreads), its loads asked for at the start
+    s_qw[tid] = pre_qw, s_kw[tid] = pre_kw;
+    if (tid < HD / 2) {
       float sn, cs;
       sincosf(float(pos_new) * pre_freq, &sn, &cs);
-      s_cos[i] = cs * pro.attention_factor, s_sin[i] = sn * pro.attention_factor;
+      s_cos[tid] = cs * pro.attention_factor, s_sin[tid] = sn * pro.attention_factor;
     }
   }
   // This thread's share of them in registers, still before the wait: its q dims d = 32c + 8·t4 + e

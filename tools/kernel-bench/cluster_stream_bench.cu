@@ -26,10 +26,21 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// t[3 a block]: start ns, end ns, SM id.
+// Every kernel here: (bytes, count, per_head, t, out), and t[3 a block] = start ns, end ns, SM id.
+__device__ __forceinline__ void stamp_block(unsigned long long* t, unsigned long long t0) {
+  if (threadIdx.x == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    t[3 * blockIdx.x] = t0;
+    t[3 * blockIdx.x + 1] = kernel_bench::globaltimer_ns();
+    t[3 * blockIdx.x + 2] = sm;
+  }
+}
+
+// Contiguous bytes: block b reads units [b, b + 1) · units_per_block (per_head unused).
 template <int D>
 __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restrict__ src, int64_t units_per_block,
-                                                          unsigned long long* t, float* out) {
+                                                          int, unsigned long long* t, float* out) {
   const unsigned long long t0 = kernel_bench::globaltimer_ns();
   const uint4* p = src + int64_t(blockIdx.x) * units_per_block;
   uint32_t acc = 0;
@@ -45,13 +56,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
   }
   __syncthreads();
   if (acc == 0x12345678u) out[blockIdx.x] = float(acc);  // keeps the loads
-  if (threadIdx.x == 0) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    t[3 * blockIdx.x] = t0;
-    t[3 * blockIdx.x + 1] = kernel_bench::globaltimer_ns();
-    t[3 * blockIdx.x + 2] = sm;
-  }
+  stamp_block(t, t0);
 }
 
 // The attention's own pattern: 4 heads, a row of 256 bytes a (position, head) at a 1 KB stride;
@@ -81,13 +86,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const uint4* __restrict_
   }
   __syncthreads();
   if (acc == 0x12345678u) out[blockIdx.x] = float(acc);
-  if (threadIdx.x == 0) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    t[3 * blockIdx.x] = t0;
-    t[3 * blockIdx.x + 1] = kernel_bench::globaltimer_ns();
-    t[3 * blockIdx.x + 2] = sm;
-  }
+  stamp_block(t, t0);
 }
 
 template <int S>
@@ -128,13 +127,7 @@ __global__ void __launch_bounds__(kThreads) bulk_rows_kernel(const uint4* __rest
     if (tid < 32 && st + S < stages) issue(st + S);
   }
   if (acc == 0x12345678u) out[blockIdx.x] = float(acc);
-  if (tid == 0) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    t[3 * blockIdx.x] = t0;
-    t[3 * blockIdx.x + 1] = kernel_bench::globaltimer_ns();
-    t[3 * blockIdx.x + 2] = sm;
-  }
+  stamp_block(t, t0);
 }
 
 // kAsync: the same rows by cp.async (16 bytes a thread, no registers held) into a thread's own
@@ -182,19 +175,21 @@ __global__ void __launch_bounds__(kThreads) async_rows_kernel(const uint4* __res
   }
   __syncthreads();
   if (acc == 0x12345678u) out[blockIdx.x] = float(acc);
-  if (tid == 0) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    t[3 * blockIdx.x] = t0;
-    t[3 * blockIdx.x + 1] = kernel_bench::globaltimer_ns();
-    t[3 * blockIdx.x + 2] = sm;
-  }
+  stamp_block(t, t0);
 }
 
-// Times kernel on `blocks` (clusters of `cluster` when more than 1) over the copies; prints a row.
+struct Timing {
+  double us;   // median of the launches: the last block's end minus the first block's start
+  size_t sms;  // distinct SMs that held the blocks
+  int fit;     // clusters of this size resident at once (0 without clusters)
+};
+
+// Times kernel(copy, count, per_head, ...) on `blocks` of kThreads (clusters of `cluster` when more
+// than 1, `smem` bytes of dynamic shared memory), the copies taken in turn: 4 launches of warm-up,
+// then 40.
 template <typename Kernel>
-void time_rows(const char* name, Kernel kernel, size_t smem, const uint4* const* copies, int n_copies, int64_t rows,
-               int blocks, unsigned cluster, unsigned long long* d_t, float* d_out) {
+Timing time_grid(Kernel kernel, int blocks, unsigned cluster, size_t smem, const uint4* const* copies, int n_copies,
+                 int64_t count, int per_head, unsigned long long* d_t, float* d_out) {
   if (cluster > 8) BENCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   if (smem > 48 * 1024) BENCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   cudaLaunchAttribute attr{};
@@ -206,54 +201,18 @@ void time_rows(const char* name, Kernel kernel, size_t smem, const uint4* const*
   config.dynamicSmemBytes = smem;
   config.attrs = cluster > 1 ? &attr : nullptr;
   config.numAttrs = cluster > 1 ? 1 : 0;
-  std::vector<double> us;
-  std::vector<unsigned long long> h(size_t(3 * blocks));
-  std::set<unsigned> sms;
-  for (int rep = 0; rep < 44; ++rep) {
-    BENCH_CHECK(cudaLaunchKernelEx(&config, kernel, copies[rep % n_copies], rows, blocks / kHeads, d_t, d_out));
-    BENCH_CHECK(cudaMemcpy(h.data(), d_t, h.size() * 8, cudaMemcpyDeviceToHost));
-    if (rep < 4) continue;
-    unsigned long long first = ~0ull, last = 0;
-    for (int b = 0; b < blocks; ++b) {
-      first = std::min(first, h[3 * b]);
-      last = std::max(last, h[3 * b + 1]);
-      sms.insert(unsigned(h[3 * b + 2]));
-    }
-    us.push_back(double(last - first) / 1e3);
-  }
-  const double med = kernel_bench::median(us);
-  std::printf("%-16s blocks %3d cluster %2u  %7.2f us  %7.1f GB/s  %3zu SMs\n", name, blocks, cluster, med,
-              double(rows * kHeads * kRowBytes) / med / 1e3, sms.size());
-}
-
-template <int D>
-void run_shape(const char* source, const uint4* const* copies, int n_copies, int64_t units, int blocks,
-               unsigned cluster, unsigned long long* d_t, float* d_out) {
-  const auto kernel = stream_kernel<D>;
-  if (cluster > 8) BENCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  const int64_t per = units / blocks;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim = {cluster, 1, 1};
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(unsigned(blocks));
-  config.blockDim = dim3(kThreads);
-  config.attrs = cluster > 1 ? &attr : nullptr;
-  config.numAttrs = cluster > 1 ? 1 : 0;
-  int fit = 0;
+  Timing r{0., 0, 0};
   if (cluster > 1) {
     cudaLaunchConfig_t probe = config;
     probe.gridDim = dim3(cluster);
-    if (cudaOccupancyMaxActiveClusters(&fit, kernel, &probe) != cudaSuccess) fit = 0;
+    if (cudaOccupancyMaxActiveClusters(&r.fit, kernel, &probe) != cudaSuccess) r.fit = 0;
     cudaGetLastError();
   }
   std::vector<double> us;
   std::vector<unsigned long long> h(size_t(3 * blocks));
   std::set<unsigned> sms;
-  constexpr int kReps = 40;
-  for (int rep = 0; rep < kReps + 4; ++rep) {
-    const uint4* src = copies[rep % n_copies];
-    BENCH_CHECK(cudaLaunchKernelEx(&config, kernel, src, per, d_t, d_out));
+  for (int rep = 0; rep < 44; ++rep) {
+    BENCH_CHECK(cudaLaunchKernelEx(&config, kernel, copies[rep % n_copies], count, per_head, d_t, d_out));
     BENCH_CHECK(cudaMemcpy(h.data(), d_t, h.size() * 8, cudaMemcpyDeviceToHost));
     if (rep < 4) continue;
     unsigned long long first = ~0ull, last = 0;
@@ -264,10 +223,29 @@ void run_shape(const char* source, const uint4* const* copies, int n_copies, int
     }
     us.push_back(double(last - first) / 1e3);
   }
-  const double med = kernel_bench::median(us);
+  r.us = kernel_bench::median(us);
+  r.sms = sms.size();
+  return r;
+}
+
+// Attention's rows (kHeads heads, blocks / kHeads splits a head); prints a row.
+template <typename Kernel>
+void time_rows(const char* name, Kernel kernel, size_t smem, const uint4* const* copies, int n_copies, int64_t rows,
+               int blocks, unsigned cluster, unsigned long long* d_t, float* d_out) {
+  const Timing r = time_grid(kernel, blocks, cluster, smem, copies, n_copies, rows, blocks / kHeads, d_t, d_out);
+  std::printf("%-16s blocks %3d cluster %2u  %7.2f us  %7.1f GB/s  %3zu SMs\n", name, blocks, cluster, r.us,
+              double(rows * kHeads * kRowBytes) / r.us / 1e3, r.sms);
+}
+
+// Contiguous bytes, D loads a thread in flight; prints a row.
+template <int D>
+void run_shape(const char* source, const uint4* const* copies, int n_copies, int64_t units, int blocks,
+               unsigned cluster, unsigned long long* d_t, float* d_out) {
+  const int64_t per = units / blocks;
+  const Timing r = time_grid(stream_kernel<D>, blocks, cluster, 0, copies, n_copies, per, 0, d_t, d_out);
   std::printf("%-5s D=%2d blocks %3d cluster %2u (%3d clusters, %2d fit)  %7.2f us  %7.1f GB/s  %3zu SMs\n", source, D,
-              blocks, cluster, cluster > 1 ? blocks / int(cluster) : 0, fit, med,
-              double(per * blocks * 16) / med / 1e3, sms.size());
+              blocks, cluster, cluster > 1 ? blocks / int(cluster) : 0, r.fit, r.us,
+              double(per * blocks * 16) / r.us / 1e3, r.sms);
 }
 
 }  // namespace
