@@ -473,6 +473,58 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
   }
 }
 
+// y[n] (+)= norm?(x) · Wᵀ (+ b) for one token and many tiles (a 4-bit lm_head: Qwen3's 9,496
+// tiles of 16 rows x 2048). gemv_int4_mma_kernel gives each block its tiles once: 4,748 blocks
+// for that head, each staging (and normalising) x from L2 after its weights arrive, so an SM's
+// DRAM traffic stopped for every block's staging, sums and exit; it read the head at ~1.75 TB/s
+// (90 µs a step on an H200, `bench --profile`). Here one wave of blocks strides over the tiles,
+// x staged once a block, and each warp issues its next tile's loads as soon as it has done the
+// products of the current one: 59.3 µs, Qwen3 INT4 with the 4-bit head +1.5% (BENCHMARKS.md).
+// Bounded for 3 blocks an SM (80 registers; 2 at 118 read the same alone, 0.3% slower a step).
+// Measured slower: two tiles in flight a warp (161-173 registers, one block an SM: 98 µs; bounded
+// for two, spilling: 70), the next tile's words loaded one at a time into the registers the
+// current tile's words free (70-75: twice the load instructions), the streamed kernel's ring of
+// tiles (int4_stream.cuh: 82 µs, 86 with 16 consumer warps).
+// The same warps, words and sums as gemv_int4_mma_kernel's (MmaTile's), so the same results.
+constexpr int kInt4StridedMinBlocks = 3;
+
+template <int CPG, bool kNorm, int KS, int NTB, int SUB>
+__global__ void __launch_bounds__(32 * KS * NTB, kInt4StridedMinBlocks)
+    gemv_int4_mma_strided_kernel(Int4Weight w, const float* __restrict__ bias, const float* __restrict__ x,
+                                 float* __restrict__ y, int64_t n, int64_t k, GemvIo io) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int nt = warp / KS, kw = warp % KS;
+  NIBBLE_TIMELINE_BLOCK(kGemvInt4);
+  const int64_t tiles = (n + 15) / 16, stride = int64_t(gridDim.x) * NTB;
+  int64_t base = int64_t(blockIdx.x) * NTB;  // the block's tiles this round: base .. base + NTB - 1
+  MmaTile<CPG, KS, true, SUB> tile;
+  tile.start(w, (base + nt) * 16, n, k, kw);  // weights need no predecessor (past n: row n - 1, never stored)
+  pdl_wait();
+  NIBBLE_TIMELINE_WAITED();
+  if (io.clear && blockIdx.x == 0)  // a folded router's sums, read by the kernels this one waited for
+    for (int i = threadIdx.x; i < io.clear_count; i += blockDim.x) io.clear[i] = 0;
+  XRows<1, kNorm> xr{x, k, 1, io.norm, {}};
+  __half* xs = reinterpret_cast<__half*>(dynamic_smem());
+  mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
+  __syncthreads();
+  NIBBLE_TIMELINE_MARK_AT(1);  // the row staged
+  pdl_launch_dependents();
+  const uint2* xb = mma_x_units(xs, k, 1);
+  __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
+  for (; base < tiles; base += stride) {
+    TileStore<KS, NTB> store;
+    store.load(bias, y, 1, n, io.accumulate, base);
+    float acc[kMmaChains][4] = {};
+    tile.finish(w, xb, acc);
+    if (base + stride < tiles) tile.start(w, (base + stride + nt) * 16, n, k, kw);
+    const float4 d = mma_chains_sum(acc);
+    if (t == 0) partial[nt][kw][0][g] = d.x, partial[nt][kw][0][g + 8] = d.z;  // column 0: the token
+    __syncthreads();
+    store.store(partial, y, 1, n);
+    __syncthreads();
+  }
+}
+
 // MoE decode, stage 1: for token t and slot s (expert e = ids[t, s], or with logits the s-th
 // choice of the router's logits for t), act[t, s] = silu(gate_e · x_t) * (up_e · x_t), x_t
 // RMS-normalised first when kNorm. act is written as f16 in the decode mma order of a row of

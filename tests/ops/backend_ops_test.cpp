@@ -179,6 +179,49 @@ TEST_F(OpsTest, LinearInt4Streamed) {
 #endif
 }
 
+// The strided INT4 GEMV (kernels::gemv_int4_mma_strided_kernel: one token, a long matrix of K
+// 2048, one wave of blocks over its tiles; a 4-bit lm_head) against the CPU reference, forced on
+// (it is taken from 32 tiles an SM): Qwen3's head (151,936 x 2048: rounds the grid does not
+// divide), 70,008 rows (a partial last tile), 8,008 (fewer tiles than the grid takes, one round
+// a block), every group size, zero points or none, a bias, the fused RMS norm and the residual add. The
+// products are the register GEMV's (MmaTile): the same tolerance.
+TEST_F(OpsTest, LinearInt4Strided) {
+#if defined(NIBBLE_HAVE_CUDA)
+  cuda::set_int4_strided(1);
+  for (auto [group, symmetric] : {std::pair<int64_t, bool>{32, false}, {64, false}, {128, false}, {128, true}})
+    for (int64_t n : {151936, 70008, 8008}) {
+      if (n == 151936 && group != 128) continue;  // the head's shape at its group size
+      const int64_t k = 2048;
+      const std::string what = fmt::format("g{}{} n={}", group, symmetric ? " sym" : "", n);
+      LinearWeight host = random_weight(WeightFormat::kInt4, n, k, group, n == 8008, symmetric);
+      LinearWeight dev = gpu_->upload(host);
+      auto x = random(k, 3.f);
+      std::vector<float> want(static_cast<size_t>(n));
+      cpu_->linear(host, x.data(), 1, want.data());
+      float* out = poisoned_gpu(n);
+      gpu_->linear(dev, on_gpu(x), 1, out);
+      expect_close(to_host(out, n), want, "strided linear " + what, kF16Tolerance);
+
+      WeightVector norm = host_vector(random(k));
+      cpu_->rms_norm_linear(x.data(), norm, 1e-6f, host, 1, want.data());
+      out = poisoned_gpu(n);
+      gpu_->rms_norm_linear(on_gpu(x), gpu_->upload(norm), 1e-6f, dev, 1, out);
+      expect_close(to_host(out, n), want, "strided rms_norm_linear " + what, kF16Tolerance);
+
+      auto residual = random(n, 2.f);
+      want = residual;
+      cpu_->linear_add(host, x.data(), 1, want.data());
+      float* res = on_gpu(residual);
+      gpu_->linear_add(dev, on_gpu(x), 1, res);
+      expect_close(to_host(res, n), want, "strided linear_add " + what, kF16Tolerance);
+      release_buffers();
+    }
+  cuda::set_int4_strided(-1);
+#else
+  GTEST_SKIP() << "no CUDA";
+#endif
+}
+
 // Prefill-sized 16-bit linears (more than 8 rows) go to cuBLASLt with x split into two 16-bit
 // halves (backend/cuda/cublaslt.h): near-f32, the exact kernel's tolerance, with and without a
 // bias, with shapes that are not multiples of any tile. Where the library is missing the exact

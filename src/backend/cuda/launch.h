@@ -46,6 +46,10 @@ void linear_int4(const uint8_t* codes, const uint16_t* scales, const uint8_t* ze
 // The streamed INT4 GEMV for one token (kernels/int4_stream.cuh) in place of the register GEMV:
 // off by default, NIBBLE_INT4_STREAM=1 at start, or this (OpsTest runs both paths).
 void set_int4_stream(bool on);
+// The strided INT4 GEMV of a long matrix at one token (ops.cu, int4_gemv_strided): -1 where it
+// pays (from 32 tiles an SM; NIBBLE_INT4_STRIDED=0 never), 0 never, 1 on any matrix of its shape
+// (tests).
+void set_int4_strided(int mode);
 // Row-major INT4 codes [n][k/2] -> the warp-interleaved layout (k % 256 == 0), device to device.
 void int4_interleave(const uint8_t* src, uint8_t* dst, int64_t n, int64_t k);
 // What a decode GEMV does around the product: with `norm`, the input rows are RMS-normalised

@@ -372,6 +372,37 @@ static bool int4_gemv_split_groups(int64_t m, int64_t k, int ks = 0, int ntb = 0
   return mode != 0 && m == 1 && k % 1024 == 0;
 }
 
+// A long matrix at one token (a 4-bit lm_head: Qwen3's 9,496 tiles) on one wave of blocks that
+// stride over its tiles (kernels::gemv_int4_mma_strided_kernel), each warp's next tile's loads
+// issued as soon as its products are done (Qwen3 INT4 with the 4-bit head +1.5% on an H200,
+// BENCHMARKS.md). The 2-tiles-of-2 split shape only (the head's), from 32 tiles an SM.
+// NIBBLE_INT4_STRIDED=0 (read once) keeps such a matrix on the one-pass kernel, for A/B runs;
+// set_int4_strided forces either way on any matrix of the shape (tests).
+template <int KS, int NTB, int SUB>
+constexpr bool kInt4StridedShape = KS == 4 && NTB == 2 && SUB == 2;
+static std::atomic<int> g_int4_strided{-1};
+void set_int4_strided(int mode) { g_int4_strided.store(mode, std::memory_order_relaxed); }
+static bool int4_gemv_strided(int64_t m, int64_t n, const GemvIo& io) {
+  static const bool env_off = [] {
+    const char* env = std::getenv("NIBBLE_INT4_STRIDED");
+    return env && std::string_view(env) == "0";
+  }();
+  const int forced = g_int4_strided.load(std::memory_order_relaxed);
+  if (forced == 0 || (forced < 0 && env_off) || m != 1 || io.staged_out || io.normed_out) return false;
+  return forced > 0 || (n + 15) / 16 >= 32 * int64_t(sm_count());
+}
+
+template <int CPG, bool kNorm, int KS, int NTB, int SUB>
+static void gemv_int4_strided_launch(const kernels::Int4Weight& kw, const float* bias, const float* x, float* y,
+                                     int64_t n, int64_t k, const GemvIo& io) {
+  const size_t smem = size_t(kernels::mma_x_bytes(1, k));
+  const auto kernel = kernels::gemv_int4_mma_strided_kernel<CPG, kNorm, KS, NTB, SUB>;
+  allow_smem(kernel, smem);
+  const int64_t blocks = std::min<int64_t>((n + 16 * NTB - 1) / (16 * NTB),
+                                           int64_t(resident_blocks(kernel, 32 * KS * NTB, smem)) * sm_count());
+  launch_pdl_smem(kernel, unsigned(blocks), 32 * KS * NTB, smem, kw, bias, x, y, n, k, to_kernel(io));
+}
+
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
                int64_t k, const GemvIo& io) {
   if (const int stages = gemv_int4_stream_stages(w, m, n, k, io); stages > 0) {
@@ -384,6 +415,11 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_cpg(w.group_shift, [&](auto CPG) {
       auto go_sub = [&](auto KS, auto NTB, auto SUB) {
+        if constexpr (kInt4StridedShape<KS.value, NTB.value, SUB.value>) {
+          if (int4_gemv_strided(m, n, io))
+            return gemv_int4_strided_launch<CPG.value, kNorm.value, KS.value, NTB.value, SUB.value>(kw, bias, x, y, n,
+                                                                                                      k, io);
+        }
         const auto kernel =
             kernels::gemv_int4_mma_kernel<CPG.value, kNorm.value, KS.value, NTB.value, false, SUB.value>;
         allow_smem(kernel, smem);
