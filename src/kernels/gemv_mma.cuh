@@ -479,7 +479,7 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
 // DRAM traffic stopped for every block's staging, sums and exit; it read the head at ~1.75 TB/s
 // (90 µs a step on an H200, `bench --profile`). Here one wave of blocks strides over the tiles,
 // x staged once a block, and each warp issues its next tile's loads as soon as it has done the
-// products of the current one: 59.3 µs, Qwen3 INT4 with the 4-bit head +1.5% (BENCHMARKS.md).
+// products of the current one: 59.3 µs, Qwen3 INT4 with the 4-bit head +1.3% (BENCHMARKS.md).
 // Bounded for 3 blocks an SM (80 registers; 2 at 118 read the same alone, 0.3% slower a step).
 // Measured slower: two tiles in flight a warp (161-173 registers, one block an SM: 98 µs; bounded
 // for two, spilling: 70), the next tile's words loaded one at a time into the registers the
@@ -508,7 +508,7 @@ __global__ void __launch_bounds__(32 * KS * NTB, kInt4StridedMinBlocks)
   mma_stage_x_normed(xr, int(k), io.eps, xs, int(mma_x_stride(k)));
   __syncthreads();
   NIBBLE_TIMELINE_MARK_AT(1);  // the row staged
-  pdl_launch_dependents();
+  pdl_launch_dependents();  // the head's successor (the pick) has no weights to load: no site to tune
   const uint2* xb = mma_x_units(xs, k, 1);
   __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
   for (; base < tiles; base += stride) {

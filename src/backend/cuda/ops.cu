@@ -374,7 +374,7 @@ static bool int4_gemv_split_groups(int64_t m, int64_t k, int ks = 0, int ntb = 0
 
 // A long matrix at one token (a 4-bit lm_head: Qwen3's 9,496 tiles) on one wave of blocks that
 // stride over its tiles (kernels::gemv_int4_mma_strided_kernel), each warp's next tile's loads
-// issued as soon as its products are done (Qwen3 INT4 with the 4-bit head +1.5% on an H200,
+// issued as soon as its products are done (Qwen3 INT4 with the 4-bit head +1.3% on an H200,
 // BENCHMARKS.md). The 2-tiles-of-2 split shape only (the head's), from 32 tiles an SM.
 // NIBBLE_INT4_STRIDED=0 (read once) keeps such a matrix on the one-pass kernel, for A/B runs;
 // set_int4_strided forces either way on any matrix of the shape (tests).
