@@ -261,6 +261,42 @@ TEST_F(OpsTest, LinearBf16Decode) {
     }
 }
 
+// BF16 decode rows against a long matrix (from 32 tiles an SM: an lm_head), which the tensor-core
+// GEMV reads with 4 warps along K and 8 KB or 4 KB batches a warp, its blocks striding over the
+// tiles: Qwen3's head (151,936 x 2048: one 8 KB batch a warp), 40,000 x 4096 (two a warp),
+// 70,003 x 2880 (a partial last tile; 4 KB batches, three a warp, the last one partial), with 1
+// to 3 rows, through linear with a bias, the fused norm and the fused residual add, at the exact
+// kernel's tolerance.
+TEST_F(OpsTest, LinearBf16LongMatrix) {
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{151936, 2048}, {40000, 4096}, {70003, 2880}})
+    for (int64_t m : {1, 2, 3}) {
+      if (m != 1 && (n == 151936 || m != (k == 4096 ? 2 : 3))) continue;
+      const std::string what = fmt::format("bf16 m={} n={} k={}", m, n, k);
+      LinearWeight host = random_weight(WeightFormat::kBF16, n, k, 0, true);
+      LinearWeight dev = gpu_->upload(host);
+      auto x = random(m * k, 30.f);
+      std::vector<float> want(size_t(m * n));
+      cpu_->linear(host, x.data(), m, want.data());
+      float* out = poisoned_gpu(m * n);
+      gpu_->linear(dev, on_gpu(x), m, out);
+      expect_close(to_host(out, m * n), want, "linear " + what, kTolerance);
+
+      WeightVector norm = host_vector(random(k));
+      cpu_->rms_norm_linear(x.data(), norm, 1e-6f, host, m, want.data());
+      out = poisoned_gpu(m * n);
+      gpu_->rms_norm_linear(on_gpu(x), gpu_->upload(norm), 1e-6f, dev, m, out);
+      expect_close(to_host(out, m * n), want, "rms_norm_linear " + what, kTolerance);
+
+      auto residual = random(m * n, 2.f);
+      want = residual;
+      cpu_->linear_add(host, x.data(), m, want.data());
+      float* res = on_gpu(residual);
+      gpu_->linear_add(dev, on_gpu(x), m, res);
+      expect_close(to_host(res, m * n), want, "linear_add " + what, kTolerance);
+      release_buffers();
+    }
+}
+
 // An lm_head-sized 16-bit weight (2^27 elements and up) with 4-8 rows takes the tensor-core GEMM
 // instead of the GEMV (CudaBackend::dense_gemm_first), through linear and the fused norm form;
 // with 1-3 rows the BF16 tensor-core GEMV, whose blocks then stride over the 8-row tiles.

@@ -83,6 +83,8 @@ int main(int argc, char** argv) {
     mma(gemv_bf16_mma_kernel<N, 8, 1, 4>, 8, 1, "mma KS8 U4");
     mma(gemv_bf16_mma_kernel<N, 4, 1, 16>, 4, 1, "mma KS4 U16");
     mma(gemv_bf16_mma_kernel<N, 2, 4, 8>, 2, 4, "mma KS2 NTB4 U8");
+    mma(gemv_bf16_mma_kernel<N, 2, 1, 16>, 2, 1, "mma KS2 U16");
+    mma(gemv_bf16_mma_kernel<N, 8, 1, 16>, 8, 1, "mma KS8 U16");
   };
   if (norm)
     variants(std::true_type{});
