@@ -479,14 +479,19 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
 // DRAM traffic stopped for every block's staging, sums and exit; it read the head at ~1.75 TB/s
 // (90 µs a step on an H200, `bench --profile`). Here one wave of blocks strides over the tiles,
 // x staged once a block, and each warp issues its next tile's loads as soon as it has done the
-// products of the current one: 59.3 µs, Qwen3 INT4 with the 4-bit head +1.3% (BENCHMARKS.md).
-// Bounded for 3 blocks an SM (80 registers; 2 at 118 read the same alone, 0.3% slower a step).
-// Measured slower: two tiles in flight a warp (161-173 registers, one block an SM: 98 µs; bounded
-// for two, spilling: 70), the next tile's words loaded one at a time into the registers the
-// current tile's words free (70-75: twice the load instructions), the streamed kernel's ring of
-// tiles (int4_stream.cuh: 82 µs, 86 with 16 consumer warps).
-// The same warps, words and sums as gemv_int4_mma_kernel's (MmaTile's), so the same results.
-constexpr int kInt4StridedMinBlocks = 3;
+// products of the current one.
+// Shape (KS 2 warps along K, NTB 2 tiles a block, SUB 1: a warp owns a whole group of 4 chunks, 8
+// KB of a tile, loaded at once; 3 blocks an SM): the fewer and larger a warp's loads, the more of
+// the matrix is in flight while the warps do their products (as for the BF16 head,
+// backend/cuda/gemv_dense.cu). A tile's KS warps meet on a named barrier of their own (1 + nt)
+// once a round, not the block's two. In isolation (tools/kernel-bench/gemv_int4_bench.cu, H200)
+// 57.0 µs against 67.2 for 4 warps on half-groups (SUB 2) under the block's barriers; in a decode
+// step the head 60.1 -> 54.5 µs, Qwen3 INT4 with the 4-bit head +0.8% (BENCHMARKS.md).
+// Measured slower: two tiles in flight a warp (one block an SM, or spills), the next tile's words
+// one at a time into the freed registers, the streamed ring of int4_stream.cuh, a warp to 2 KB of
+// a tile (SUB 4: 77 µs), 3 or 4 tiles a block (60-175 µs).
+// The same words and products as gemv_int4_mma_kernel's (MmaTile's); a tile's sums in warp order.
+constexpr int kInt4StridedMinBlocks = 2;  // the registers it wants (3 blocks an SM fit); 3 or 4: 58-60 µs
 
 template <int CPG, bool kNorm, int KS, int NTB, int SUB>
 __global__ void __launch_bounds__(32 * KS * NTB, kInt4StridedMinBlocks)
@@ -510,18 +515,27 @@ __global__ void __launch_bounds__(32 * KS * NTB, kInt4StridedMinBlocks)
   NIBBLE_TIMELINE_MARK_AT(1);  // the row staged
   pdl_launch_dependents();  // the head's successor (the pick) has no weights to load: no site to tune
   const uint2* xb = mma_x_units(xs, k, 1);
-  __shared__ float partial[NTB][KS][kGemvMaxM][16];  // [tile][warp along K][token][row]
-  for (; base < tiles; base += stride) {
-    TileStore<KS, NTB> store;
-    store.load(bias, y, 1, n, io.accumulate, base);
+  // A tile's sums alternate between two buffers by round: a warp writing round r + 1's cannot
+  // overwrite round r's before the tile's first warp has read them, since it would have to pass
+  // round r + 1's barrier, which that warp reaches only after its read.
+  __shared__ float partial[2][NTB][KS][16];  // [round parity][tile][warp along K][row]
+  const bool storer = kw == 0 && lane < 16;  // lane r of a tile's first warp stores its row r
+  for (int parity = 0; base < tiles; base += stride, parity ^= 1) {
+    const int64_t row = (base + nt) * 16 + lane;
+    float prev = 0.f;  // the bias and the residual, fetched before the products
+    if (storer && row < n) prev = (io.accumulate ? y[row] : 0.f) + (bias ? bias[row] : 0.f);
     float acc[kMmaChains][4] = {};
     tile.finish(w, xb, acc);
     if (base + stride < tiles) tile.start(w, (base + stride + nt) * 16, n, k, kw);
     const float4 d = mma_chains_sum(acc);
-    if (t == 0) partial[nt][kw][0][g] = d.x, partial[nt][kw][0][g + 8] = d.z;  // column 0: the token
-    __syncthreads();
-    store.store(partial, y, 1, n);
-    __syncthreads();
+    if (t == 0) partial[parity][nt][kw][g] = d.x, partial[parity][nt][kw][g + 8] = d.z;  // column 0: the token
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + nt), "r"(32 * KS) : "memory");
+    if (storer && row < n) {
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < KS; ++i) s += partial[parity][nt][i][lane];
+      y[row] = prev + s;
+    }
   }
 }
 

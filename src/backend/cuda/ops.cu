@@ -374,12 +374,13 @@ static bool int4_gemv_split_groups(int64_t m, int64_t k, int ks = 0, int ntb = 0
 
 // A long matrix at one token (a 4-bit lm_head: Qwen3's 9,496 tiles) on one wave of blocks that
 // stride over its tiles (kernels::gemv_int4_mma_strided_kernel), each warp's next tile's loads
-// issued as soon as its products are done (Qwen3 INT4 with the 4-bit head +1.3% on an H200,
-// BENCHMARKS.md). The 2-tiles-of-2 split shape only (the head's), from 32 tiles an SM.
-// NIBBLE_INT4_STRIDED=0 (read once) keeps such a matrix on the one-pass kernel, for A/B runs;
-// set_int4_strided forces either way on any matrix of the shape (tests).
-template <int KS, int NTB, int SUB>
-constexpr bool kInt4StridedShape = KS == 4 && NTB == 2 && SUB == 2;
+// issued as soon as its products are done, a warp to a whole group of 8 KB (Qwen3 INT4 with the
+// 4-bit head +1.3%, then +0.8% for the warp's whole group, on an H200, BENCHMARKS.md). The
+// 2-tiles-of-2 shape only (the head's: K of 2048), from 32 tiles an SM. NIBBLE_INT4_STRIDED=0
+// (read once) keeps such a matrix on the one-pass kernel, for A/B runs; set_int4_strided forces
+// either way on any matrix of the shape (tests).
+template <int KS, int NTB>
+constexpr bool kInt4StridedShape = KS == 2 && NTB == 2;
 static std::atomic<int> g_int4_strided{-1};
 void set_int4_strided(int mode) { g_int4_strided.store(mode, std::memory_order_relaxed); }
 static bool int4_gemv_strided(int64_t m, int64_t n, const GemvIo& io) {
@@ -415,11 +416,6 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
   dispatch_norm(io, [&](auto kNorm) {
     dispatch_cpg(w.group_shift, [&](auto CPG) {
       auto go_sub = [&](auto KS, auto NTB, auto SUB) {
-        if constexpr (kInt4StridedShape<KS.value, NTB.value, SUB.value>) {
-          if (int4_gemv_strided(m, n, io))
-            return gemv_int4_strided_launch<CPG.value, kNorm.value, KS.value, NTB.value, SUB.value>(kw, bias, x, y, n,
-                                                                                                      k, io);
-        }
         const auto kernel =
             kernels::gemv_int4_mma_kernel<CPG.value, kNorm.value, KS.value, NTB.value, false, SUB.value>;
         allow_smem(kernel, smem);
@@ -427,6 +423,10 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
                         int(m), n, k, to_kernel(io), kernels::RouterFold{});
       };
       auto go = [&](auto KS, auto NTB) {
+        if constexpr (kInt4StridedShape<KS.value, NTB.value>) {
+          if (int4_gemv_strided(m, n, io))
+            return gemv_int4_strided_launch<CPG.value, kNorm.value, KS.value, NTB.value, 1>(kw, bias, x, y, n, k, io);
+        }
         if constexpr (kInt4SplitShape<KS.value, NTB.value>) {
           if (int4_gemv_split_groups(m, k, KS.value, NTB.value))
             return go_sub(std::integral_constant<int, 2 * KS.value>{}, NTB, std::integral_constant<int, 2>{});
