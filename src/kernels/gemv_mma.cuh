@@ -480,18 +480,20 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
 // (90 µs a step on an H200, `bench --profile`). Here one wave of blocks strides over the tiles,
 // x staged once a block, and each warp issues its next tile's loads as soon as it has done the
 // products of the current one.
-// Shape (KS 2 warps along K, NTB 2 tiles a block, SUB 1: a warp owns a whole group of 4 chunks, 8
-// KB of a tile, loaded at once; 3 blocks an SM): the fewer and larger a warp's loads, the more of
-// the matrix is in flight while the warps do their products (as for the BF16 head,
-// backend/cuda/gemv_dense.cu). A tile's KS warps meet on a named barrier of their own (1 + nt)
-// once a round, not the block's two. In isolation (tools/kernel-bench/gemv_int4_bench.cu, H200)
-// 57.0 µs against 67.2 for 4 warps on half-groups (SUB 2) under the block's barriers; in a decode
-// step the head 60.1 -> 54.5 µs, Qwen3 INT4 with the 4-bit head +0.8% (BENCHMARKS.md).
+// Shape, as ops.cu launches it: a warp owns whole tiles (KS 1), group by group (8 KB of a tile,
+// loaded at once, the next group's loads after its products), 4 warps a block, 3 blocks an SM.
+// The fewer and larger a warp's loads, and the less its warps wait on each other, the more of the
+// matrix is in flight while they do their products (as for the BF16 head,
+// backend/cuda/gemv_dense.cu). In isolation (tools/kernel-bench/gemv_int4_bench.cu, H200): 51.0
+// µs; 57.2 with 2 warps a tile (a warp a group) meeting on a named barrier of their own (1 + nt)
+// once a round; 67.2 with 4 warps a tile on half groups (SUB 2) under the block's two barriers.
+// In a decode step (Qwen3 INT4, 4-bit head): 60.1 -> 54.5 -> 46.3 µs, tg128 +0.8% then +0.6%
+// (BENCHMARKS.md). The KS 2 shape stays for A/B runs (NIBBLE_INT4_STRIDED_SHAPE=0).
 // Measured slower: two tiles in flight a warp (one block an SM, or spills), the next tile's words
 // one at a time into the freed registers, the streamed ring of int4_stream.cuh, a warp to 2 KB of
-// a tile (SUB 4: 77 µs), 3 or 4 tiles a block (60-175 µs).
+// a tile (SUB 4: 77 µs), 2 or 8 tiles a block at KS 1 (56-59 µs).
 // The same words and products as gemv_int4_mma_kernel's (MmaTile's); a tile's sums in warp order.
-constexpr int kInt4StridedMinBlocks = 2;  // the registers it wants (3 blocks an SM fit); 3 or 4: 58-60 µs
+constexpr int kInt4StridedMinBlocks = 2;  // the registers it wants (3 blocks an SM fit); at KS 2, 3 or 4: 58-60 µs
 
 template <int CPG, bool kNorm, int KS, int NTB, int SUB>
 __global__ void __launch_bounds__(32 * KS * NTB, kInt4StridedMinBlocks)
@@ -515,6 +517,23 @@ __global__ void __launch_bounds__(32 * KS * NTB, kInt4StridedMinBlocks)
   NIBBLE_TIMELINE_MARK_AT(1);  // the row staged
   pdl_launch_dependents();  // the head's successor (the pick) has no weights to load: no site to tune
   const uint2* xb = mma_x_units(xs, k, 1);
+  if constexpr (KS == 1) {
+    // A warp owns its tiles whole: lanes t = 0 hold rows g and g + 8 (column 0: the token) and
+    // store them; no barrier, no shared memory.
+    for (; base < tiles; base += stride) {
+      const int64_t r0 = (base + nt) * 16 + g, r1 = r0 + 8;
+      float p0 = 0.f, p1 = 0.f;  // the bias and the residual, fetched before the products
+      if (t == 0 && r0 < n) p0 = (io.accumulate ? y[r0] : 0.f) + (bias ? bias[r0] : 0.f);
+      if (t == 0 && r1 < n) p1 = (io.accumulate ? y[r1] : 0.f) + (bias ? bias[r1] : 0.f);
+      float acc[kMmaChains][4] = {};
+      tile.finish(w, xb, acc);
+      if (base + stride < tiles) tile.start(w, (base + stride + nt) * 16, n, k, kw);
+      const float4 d = mma_chains_sum(acc);
+      if (t == 0 && r0 < n) y[r0] = p0 + d.x;
+      if (t == 0 && r1 < n) y[r1] = p1 + d.z;
+    }
+    return;
+  }
   // A tile's sums alternate between two buffers by round: a warp writing round r + 1's cannot
   // overwrite round r's before the tile's first warp has read them, since it would have to pass
   // round r + 1's barrier, which that warp reaches only after its read.

@@ -189,7 +189,8 @@ TEST_F(OpsTest, LinearInt4Streamed) {
 // (it is taken from 32 tiles an SM): Qwen3's head (151,936 x 2048: rounds the grid does not
 // divide), 70,008 rows (a partial last tile), 8,008 (fewer tiles than the grid takes, one round
 // a block), every group size, zero points or none, a bias, the fused RMS norm and the residual
-// add. The products are the register GEMV's (MmaTile): the same tolerance.
+// add, in the shape taken by default (a warp to whole tiles). The products are the register
+// GEMV's (MmaTile): the same tolerance.
 TEST_F(OpsTest, LinearInt4Strided) {
 #if defined(NIBBLE_HAVE_CUDA)
   cuda::set_int4_strided(1);

@@ -109,6 +109,10 @@ int main(int argc, char** argv) {
   shape(gemv_int4_mma_strided_kernel<CPG, true, 8, 1, 4>, 8, 1, "strided KS8 NTB1 SUB4");
   shape(gemv_int4_mma_strided_kernel<CPG, true, 2, 1, 1>, 2, 1, "strided KS2 NTB1 SUB1");
   shape(gemv_int4_mma_strided_kernel<CPG, true, 2, 3, 1>, 2, 3, "strided KS2 NTB3 SUB1");
+  shape(gemv_int4_mma_strided_kernel<CPG, true, 1, 4, 1>, 1, 4, "strided KS1 NTB4 SUB1");
+  shape(gemv_int4_mma_strided_kernel<CPG, true, 1, 2, 1>, 1, 2, "strided KS1 NTB2 SUB1");
+  shape(gemv_int4_mma_strided_kernel<CPG, true, 1, 8, 1>, 1, 8, "strided KS1 NTB8 SUB1");
+  shape(gemv_int4_mma_strided_kernel<CPG, true, 2, 2, 2>, 2, 2, "strided KS2 NTB2 SUB2 (a tile's half over 2 warps)");
   {
     const auto kernel = strided_no_sums_kernel;
     const int64_t blocks = grid(kernel, threads);
