@@ -123,6 +123,34 @@ class OpsTest : public GpuCompareTest {
     expect_close(to_host(res, n), want, path + " linear_add " + what, kF16Tolerance);
     release_buffers();
   }
+
+  // m rows of random inputs (|x| up to x_scale) against a random BF16 weight with a bias through
+  // linear, rms_norm_linear and linear_add on both backends, at the exact kernel's tolerance.
+  void expect_bf16_rows(int64_t n, int64_t k, int64_t m, float x_scale) {
+    const std::string what = fmt::format("bf16 m={} n={} k={}", m, n, k);
+    LinearWeight host = random_weight(WeightFormat::kBF16, n, k, 0, true);
+    LinearWeight dev = gpu_->upload(host);
+    auto x = random(m * k, x_scale);
+    std::vector<float> want(size_t(m * n));
+    cpu_->linear(host, x.data(), m, want.data());
+    float* out = poisoned_gpu(m * n);
+    gpu_->linear(dev, on_gpu(x), m, out);
+    expect_close(to_host(out, m * n), want, "linear " + what, kTolerance);
+
+    WeightVector norm = host_vector(random(k));
+    cpu_->rms_norm_linear(x.data(), norm, 1e-6f, host, m, want.data());
+    out = poisoned_gpu(m * n);
+    gpu_->rms_norm_linear(on_gpu(x), gpu_->upload(norm), 1e-6f, dev, m, out);
+    expect_close(to_host(out, m * n), want, "rms_norm_linear " + what, kTolerance);
+
+    auto residual = random(m * n, 2.f);
+    want = residual;
+    cpu_->linear_add(host, x.data(), m, want.data());
+    float* res = on_gpu(residual);
+    gpu_->linear_add(dev, on_gpu(x), m, res);
+    expect_close(to_host(res, m * n), want, "linear_add " + what, kTolerance);
+    release_buffers();
+  }
 };
 
 TEST_F(OpsTest, Linear) {
@@ -235,31 +263,7 @@ TEST_F(OpsTest, LinearDensePrefillRows) {
 // tile; large values (|x| up to 300) keep the lo half's share of the products in view.
 TEST_F(OpsTest, LinearBf16Decode) {
   for (auto [n, k] : {std::pair<int64_t, int64_t>{5120, 2880}, {2880, 4096}, {1003, 2888}, {300, 1000}})
-    for (int64_t m : {1, 2, 5, 8}) {
-      const std::string what = fmt::format("bf16 m={} n={} k={}", m, n, k);
-      LinearWeight host = random_weight(WeightFormat::kBF16, n, k, 0, true);
-      LinearWeight dev = gpu_->upload(host);
-      auto x = random(m * k, 300.f);
-      std::vector<float> want(size_t(m * n));
-      cpu_->linear(host, x.data(), m, want.data());
-      float* out = poisoned_gpu(m * n);
-      gpu_->linear(dev, on_gpu(x), m, out);
-      expect_close(to_host(out, m * n), want, "linear " + what, kTolerance);
-
-      WeightVector norm = host_vector(random(k));
-      cpu_->rms_norm_linear(x.data(), norm, 1e-6f, host, m, want.data());
-      out = poisoned_gpu(m * n);
-      gpu_->rms_norm_linear(on_gpu(x), gpu_->upload(norm), 1e-6f, dev, m, out);
-      expect_close(to_host(out, m * n), want, "rms_norm_linear " + what, kTolerance);
-
-      auto residual = random(m * n, 2.f);
-      want = residual;
-      cpu_->linear_add(host, x.data(), m, want.data());
-      float* res = on_gpu(residual);
-      gpu_->linear_add(dev, on_gpu(x), m, res);
-      expect_close(to_host(res, m * n), want, "linear_add " + what, kTolerance);
-      release_buffers();
-    }
+    for (int64_t m : {1, 2, 5, 8}) expect_bf16_rows(n, k, m, 300.f);
 }
 
 // BF16 decode rows against a long matrix (from 32 tiles an SM: an lm_head), which the tensor-core
@@ -270,32 +274,8 @@ TEST_F(OpsTest, LinearBf16Decode) {
 // kernel's tolerance.
 TEST_F(OpsTest, LinearBf16LongMatrix) {
   for (auto [n, k] : {std::pair<int64_t, int64_t>{151936, 2048}, {40000, 4096}, {70003, 2880}})
-    for (int64_t m : {1, 2, 3}) {
-      if (m != 1 && (n == 151936 || m != (k == 4096 ? 2 : 3))) continue;
-      const std::string what = fmt::format("bf16 m={} n={} k={}", m, n, k);
-      LinearWeight host = random_weight(WeightFormat::kBF16, n, k, 0, true);
-      LinearWeight dev = gpu_->upload(host);
-      auto x = random(m * k, 30.f);
-      std::vector<float> want(size_t(m * n));
-      cpu_->linear(host, x.data(), m, want.data());
-      float* out = poisoned_gpu(m * n);
-      gpu_->linear(dev, on_gpu(x), m, out);
-      expect_close(to_host(out, m * n), want, "linear " + what, kTolerance);
-
-      WeightVector norm = host_vector(random(k));
-      cpu_->rms_norm_linear(x.data(), norm, 1e-6f, host, m, want.data());
-      out = poisoned_gpu(m * n);
-      gpu_->rms_norm_linear(on_gpu(x), gpu_->upload(norm), 1e-6f, dev, m, out);
-      expect_close(to_host(out, m * n), want, "rms_norm_linear " + what, kTolerance);
-
-      auto residual = random(m * n, 2.f);
-      want = residual;
-      cpu_->linear_add(host, x.data(), m, want.data());
-      float* res = on_gpu(residual);
-      gpu_->linear_add(dev, on_gpu(x), m, res);
-      expect_close(to_host(res, m * n), want, "linear_add " + what, kTolerance);
-      release_buffers();
-    }
+    for (int64_t m : {1, 2, 3})
+      if (m == 1 || (n != 151936 && m == (k == 4096 ? 2 : 3))) expect_bf16_rows(n, k, m, 30.f);
 }
 
 // An lm_head-sized 16-bit weight (2^27 elements and up) with 4-8 rows takes the tensor-core GEMM

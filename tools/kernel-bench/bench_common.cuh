@@ -31,6 +31,16 @@ __global__ void fill_bytes_kernel(uint8_t* p, int64_t count, uint32_t seed, uint
   }
 }
 
+// The bandwidth ceiling: each thread xors 16-byte units of its share of p (weights past L2).
+__global__ void stream_read_kernel(const uint4* __restrict__ p, int64_t units, float* out) {
+  uint32_t acc = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < units; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldg(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) out[0] = 1.f;
+}
+
 // The device's nanosecond clock (%globaltimer), comparable across SMs, for in-kernel stamps.
 __device__ __forceinline__ unsigned long long globaltimer_ns() {
   unsigned long long t;

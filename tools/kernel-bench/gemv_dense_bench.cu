@@ -18,16 +18,6 @@
 using namespace nibble::kernels;
 using kernel_bench::time_launches;
 
-// The bandwidth ceiling: each thread sums 16-byte units of its share of the matrix.
-__global__ void stream_read_kernel(const uint4* __restrict__ p, int64_t units, float* out) {
-  uint32_t acc = 0;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < units; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldg(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x12345678u) out[0] = 1.f;
-}
-
 __global__ void fill_kernel(__nv_bfloat16* w, int64_t count, uint32_t seed) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
     uint32_t h = uint32_t(i) * 2654435761u ^ seed;
@@ -69,10 +59,10 @@ int main(int argc, char** argv) {
     });
   };
   time("stream read (132 x 8 blocks of 256)", [&](const __nv_bfloat16* p) {
-    stream_read_kernel<<<sms * 8, 256>>>(reinterpret_cast<const uint4*>(p), bytes / 16, y);
+    kernel_bench::stream_read_kernel<<<sms * 8, 256>>>(reinterpret_cast<const uint4*>(p), bytes / 16, y);
   });
   time("stream read (132 x 4 blocks of 256)", [&](const __nv_bfloat16* p) {
-    stream_read_kernel<<<sms * 4, 256>>>(reinterpret_cast<const uint4*>(p), bytes / 16, y);
+    kernel_bench::stream_read_kernel<<<sms * 4, 256>>>(reinterpret_cast<const uint4*>(p), bytes / 16, y);
   });
   auto variants = [&](auto kNorm) {
     constexpr bool N = decltype(kNorm)::value;

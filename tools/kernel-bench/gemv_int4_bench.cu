@@ -19,15 +19,6 @@ using kernel_bench::time_launches;
 
 constexpr int CPG = 4, KS = 2, NTB = 2, SUB = 1;  // group 128; the head's shape (ops.cu)
 
-__global__ void stream_read_kernel(const uint4* __restrict__ p, int64_t units, float* out) {
-  uint32_t acc = 0;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < units; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldg(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x12345678u) out[0] = 1.f;
-}
-
 __global__ void fill_scales_kernel(__half* s, int64_t count) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x)
     s[i] = __float2half(0.01f + 0.0001f * float(i % 97));
@@ -89,7 +80,7 @@ int main(int argc, char** argv) {
     return std::min<int64_t>((tiles + NTB - 1) / NTB, int64_t(per_sm) * sms);
   };
   time("stream read (132 x 8 blocks of 256)", [&](const Int4Weight& m) {
-    stream_read_kernel<<<sms * 8, 256>>>(reinterpret_cast<const uint4*>(m.codes), code_bytes / 16, y);
+    kernel_bench::stream_read_kernel<<<sms * 8, 256>>>(reinterpret_cast<const uint4*>(m.codes), code_bytes / 16, y);
   });
   const GemvIo io{nw, 1e-6f, false};
   constexpr int threads = 32 * KS * NTB;
