@@ -480,32 +480,30 @@ __global__ void __launch_bounds__(32 * KS * NTB) gemv_int4_mma_kernel(Int4Weight
 // (90 µs a step on an H200, `bench --profile`). Here one wave of blocks strides over the tiles,
 // x staged once a block, and each warp issues its next tile's loads as soon as it has done the
 // products of the current one.
-// Shape, as ops.cu launches it: a warp owns whole tiles (KS 1), group by group (8 KB of a tile,
-// loaded at once, the next group's loads after its products), 4 warps a block, 3 blocks an SM.
-// The fewer and larger a warp's loads, and the less its warps wait on each other, the more of the
-// matrix is in flight while they do their products (as for the BF16 head,
-// backend/cuda/gemv_dense.cu). In isolation (tools/kernel-bench/gemv_int4_bench.cu, H200): 51.0
-// µs; 57.2 with 2 warps a tile (a warp a group) meeting on a named barrier of their own (1 + nt)
-// once a round; 67.2 with 4 warps a tile on half groups (SUB 2) under the block's two barriers.
-// In a decode step (Qwen3 INT4, 4-bit head): 60.1 -> 54.5 -> 46.3 µs, tg128 +0.8% then +0.6%
-// (BENCHMARKS.md). The KS 2 shape stays for A/B runs (NIBBLE_INT4_STRIDED_SHAPE=0).
+// A warp owns whole tiles, group by group (8 KB of a tile loaded at once, the next group's or
+// tile's loads issued after its products), NTB warps a block, 3 blocks an SM: the fewer and
+// larger a warp's loads, and the less its warps wait on each other, the more of the matrix is in
+// flight while they do their products (as for the BF16 head, backend/cuda/gemv_dense.cu). In
+// isolation (tools/kernel-bench/gemv_int4_bench.cu, H200): 51.0 µs; 57.2 with 2 warps a tile (a
+// warp a group) meeting on a named barrier of their own once a round; 67.2 with 4 warps a tile on
+// half groups under the block's two barriers (7a5fe23's and bfa5545's trees). In a decode step
+// (Qwen3 INT4, 4-bit head): 60.1 -> 54.5 -> 46.3 µs, tg128 +0.8% then +0.6% (BENCHMARKS.md).
 // Measured slower: two tiles in flight a warp (one block an SM, or spills), the next tile's words
 // one at a time into the freed registers, the streamed ring of int4_stream.cuh, a warp to 2 KB of
-// a tile (SUB 4: 77 µs), 2 or 8 tiles a block at KS 1 (56-59 µs).
-// The same words and products as gemv_int4_mma_kernel's (MmaTile's); a tile's sums in warp order.
-constexpr int kInt4StridedMinBlocks = 2;  // the registers it wants (3 blocks an SM fit); at KS 2, 3 or 4: 58-60 µs
+// a tile (77 µs), 2 or 8 tiles a block (56-59 µs).
+// The same words, products and sums as gemv_int4_mma_kernel's with one warp along K (MmaTile's).
+constexpr int kInt4StridedMinBlocks = 2;  // the registers it wants (168: 3 blocks an SM fit)
 
-template <int CPG, bool kNorm, int KS, int NTB, int SUB>
-__global__ void __launch_bounds__(32 * KS * NTB, kInt4StridedMinBlocks)
+template <int CPG, bool kNorm, int NTB>
+__global__ void __launch_bounds__(32 * NTB, kInt4StridedMinBlocks)
     gemv_int4_mma_strided_kernel(Int4Weight w, const float* __restrict__ bias, const float* __restrict__ x,
                                  float* __restrict__ y, int64_t n, int64_t k, GemvIo io) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int nt = warp / KS, kw = warp % KS;
+  const int nt = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   NIBBLE_TIMELINE_BLOCK(kGemvInt4);
   const int64_t tiles = (n + 15) / 16, stride = int64_t(gridDim.x) * NTB;
   int64_t base = int64_t(blockIdx.x) * NTB;  // the block's tiles this round: base .. base + NTB - 1
-  MmaTile<CPG, KS, true, SUB> tile;
-  tile.start(w, (base + nt) * 16, n, k, kw);  // weights need no predecessor (past n: row n - 1, never stored)
+  MmaTile<CPG, 1> tile;
+  tile.start(w, (base + nt) * 16, n, k, 0);  // weights need no predecessor (past n: row n - 1, never stored)
   pdl_wait();
   NIBBLE_TIMELINE_WAITED();
   if (io.clear && blockIdx.x == 0)  // a folded router's sums, read by the kernels this one waited for
@@ -517,44 +515,18 @@ __global__ void __launch_bounds__(32 * KS * NTB, kInt4StridedMinBlocks)
   NIBBLE_TIMELINE_MARK_AT(1);  // the row staged
   pdl_launch_dependents();  // the head's successor (the pick) has no weights to load: no site to tune
   const uint2* xb = mma_x_units(xs, k, 1);
-  if constexpr (KS == 1) {
-    // A warp owns its tiles whole: lanes t = 0 hold rows g and g + 8 (column 0: the token) and
-    // store them; no barrier, no shared memory.
-    for (; base < tiles; base += stride) {
-      const int64_t r0 = (base + nt) * 16 + g, r1 = r0 + 8;
-      float p0 = 0.f, p1 = 0.f;  // the bias and the residual, fetched before the products
-      if (t == 0 && r0 < n) p0 = (io.accumulate ? y[r0] : 0.f) + (bias ? bias[r0] : 0.f);
-      if (t == 0 && r1 < n) p1 = (io.accumulate ? y[r1] : 0.f) + (bias ? bias[r1] : 0.f);
-      float acc[kMmaChains][4] = {};
-      tile.finish(w, xb, acc);
-      if (base + stride < tiles) tile.start(w, (base + stride + nt) * 16, n, k, kw);
-      const float4 d = mma_chains_sum(acc);
-      if (t == 0 && r0 < n) y[r0] = p0 + d.x;
-      if (t == 0 && r1 < n) y[r1] = p1 + d.z;
-    }
-    return;
-  }
-  // A tile's sums alternate between two buffers by round: a warp writing round r + 1's cannot
-  // overwrite round r's before the tile's first warp has read them, since it would have to pass
-  // round r + 1's barrier, which that warp reaches only after its read.
-  __shared__ float partial[2][NTB][KS][16];  // [round parity][tile][warp along K][row]
-  const bool storer = kw == 0 && lane < 16;  // lane r of a tile's first warp stores its row r
-  for (int parity = 0; base < tiles; base += stride, parity ^= 1) {
-    const int64_t row = (base + nt) * 16 + lane;
-    float prev = 0.f;  // the bias and the residual, fetched before the products
-    if (storer && row < n) prev = (io.accumulate ? y[row] : 0.f) + (bias ? bias[row] : 0.f);
+  // Lanes t = 0 hold rows g and g + 8 of the warp's tile (column 0: the token) and store them.
+  for (; base < tiles; base += stride) {
+    const int64_t r0 = (base + nt) * 16 + g, r1 = r0 + 8;
+    float p0 = 0.f, p1 = 0.f;  // the bias and the residual, fetched before the products
+    if (t == 0 && r0 < n) p0 = (io.accumulate ? y[r0] : 0.f) + (bias ? bias[r0] : 0.f);
+    if (t == 0 && r1 < n) p1 = (io.accumulate ? y[r1] : 0.f) + (bias ? bias[r1] : 0.f);
     float acc[kMmaChains][4] = {};
     tile.finish(w, xb, acc);
-    if (base + stride < tiles) tile.start(w, (base + stride + nt) * 16, n, k, kw);
+    if (base + stride < tiles) tile.start(w, (base + stride + nt) * 16, n, k, 0);
     const float4 d = mma_chains_sum(acc);
-    if (t == 0) partial[parity][nt][kw][g] = d.x, partial[parity][nt][kw][g + 8] = d.z;  // column 0: the token
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + nt), "r"(32 * KS) : "memory");
-    if (storer && row < n) {
-      float s = 0.f;
-#pragma unroll
-      for (int i = 0; i < KS; ++i) s += partial[parity][nt][i][lane];
-      y[row] = prev + s;
-    }
+    if (t == 0 && r0 < n) y[r0] = p0 + d.x;
+    if (t == 0 && r1 < n) y[r1] = p1 + d.z;
   }
 }
 

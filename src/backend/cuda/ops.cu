@@ -374,8 +374,8 @@ static bool int4_gemv_split_groups(int64_t m, int64_t k, int ks = 0, int ntb = 0
 
 // A long matrix at one token (a 4-bit lm_head: Qwen3's 9,496 tiles) on one wave of blocks that
 // stride over its tiles (kernels::gemv_int4_mma_strided_kernel), each warp's next tile's loads
-// issued as soon as its products are done, a warp to whole groups of 8 KB (Qwen3 INT4 with the
-// 4-bit head +1.3%, then +0.8% for a warp's whole group, +0.6% for its whole tile, on an H200,
+// issued as soon as its products are done, a warp to whole tiles (Qwen3 INT4 with the 4-bit head
+// +1.3%, then +0.8% for a warp's whole group, +0.6% for its whole tile, on an H200,
 // BENCHMARKS.md). Taken where the dispatch picks 2 tiles of 2 warps (the head's: K of 2048), from
 // 32 tiles an SM. NIBBLE_INT4_STRIDED=0 (read once) keeps such a matrix on the one-pass kernel,
 // for A/B runs; set_int4_strided forces either way on any matrix of the shape (tests).
@@ -393,26 +393,17 @@ static bool int4_gemv_strided(int64_t m, int64_t n, const GemvIo& io) {
   return forced > 0 || (n + 15) / 16 >= 32 * int64_t(sm_count());
 }
 
-// Each warp its own tiles whole (KS 1, 4 a block: no barrier, no sums between warps), the
-// default: Qwen3's 4-bit head 54.0 -> 46.3 µs a step, tg128 +0.6% (H200, BENCHMARKS.md).
-// NIBBLE_INT4_STRIDED_SHAPE=0: two warps a tile (the dispatch's 2-tiles-of-2 shape), for A/B runs.
-static bool int4_gemv_strided_tiles_by_warp() {
-  static const bool old_shape = [] {
-    const char* env = std::getenv("NIBBLE_INT4_STRIDED_SHAPE");
-    return env && std::string_view(env) == "0";
-  }();
-  return !old_shape;
-}
-
-template <int CPG, bool kNorm, int KS, int NTB, int SUB>
+// A warp to whole tiles, 4 warps a block (kernels::gemv_int4_mma_strided_kernel).
+template <int CPG, bool kNorm>
 static void gemv_int4_strided_launch(const kernels::Int4Weight& kw, const float* bias, const float* x, float* y,
                                      int64_t n, int64_t k, const GemvIo& io) {
+  constexpr int kWarps = 4;
   const size_t smem = size_t(kernels::mma_x_bytes(1, k));
-  const auto kernel = kernels::gemv_int4_mma_strided_kernel<CPG, kNorm, KS, NTB, SUB>;
+  const auto kernel = kernels::gemv_int4_mma_strided_kernel<CPG, kNorm, kWarps>;
   allow_smem(kernel, smem);
-  const int64_t blocks = std::min<int64_t>((n + 16 * NTB - 1) / (16 * NTB),
-                                           int64_t(resident_blocks(kernel, 32 * KS * NTB, smem)) * sm_count());
-  launch_pdl_smem(kernel, unsigned(blocks), 32 * KS * NTB, smem, kw, bias, x, y, n, k, to_kernel(io));
+  const int64_t blocks = std::min<int64_t>((n + 16 * kWarps - 1) / (16 * kWarps),
+                                           int64_t(resident_blocks(kernel, 32 * kWarps, smem)) * sm_count());
+  launch_pdl_smem(kernel, unsigned(blocks), 32 * kWarps, smem, kw, bias, x, y, n, k, to_kernel(io));
 }
 
 void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y, int64_t m, int64_t n,
@@ -435,11 +426,8 @@ void gemv_int4(const Int4Device& w, const float* bias, const float* x, float* y,
       };
       auto go = [&](auto KS, auto NTB) {
         if constexpr (kInt4StridedShape<KS.value, NTB.value>) {
-          if (int4_gemv_strided(m, n, io)) {
-            if (int4_gemv_strided_tiles_by_warp())
-              return gemv_int4_strided_launch<CPG.value, kNorm.value, 1, 4, 1>(kw, bias, x, y, n, k, io);
-            return gemv_int4_strided_launch<CPG.value, kNorm.value, KS.value, NTB.value, 1>(kw, bias, x, y, n, k, io);
-          }
+          if (int4_gemv_strided(m, n, io))
+            return gemv_int4_strided_launch<CPG.value, kNorm.value>(kw, bias, x, y, n, k, io);
         }
         if constexpr (kInt4SplitShape<KS.value, NTB.value>) {
           if (int4_gemv_split_groups(m, k, KS.value, NTB.value))
