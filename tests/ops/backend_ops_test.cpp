@@ -96,59 +96,48 @@ class OpsTest : public GpuCompareTest {
     return w;
   }
 
-  // One token of a random INT4 weight through linear, rms_norm_linear and linear_add (the decode
-  // GEMVs' fused forms) on both backends, at the f16 paths' tolerance; `path` names the kernel.
-  void expect_int4_one_token(const std::string& path, int64_t n, int64_t k, int64_t group, bool bias, bool symmetric) {
-    const std::string what = fmt::format("g{}{} n={} k={}", group, symmetric ? " sym" : "", n, k);
-    LinearWeight host = random_weight(WeightFormat::kInt4, n, k, group, bias, symmetric);
-    LinearWeight dev = gpu_->upload(host);
-    auto x = random(k, 3.f);
-    std::vector<float> want(static_cast<size_t>(n));
-    cpu_->linear(host, x.data(), 1, want.data());
-    float* out = poisoned_gpu(n);
-    gpu_->linear(dev, on_gpu(x), 1, out);
-    expect_close(to_host(out, n), want, path + " linear " + what, kF16Tolerance);
-
-    WeightVector norm = host_vector(random(k));
-    cpu_->rms_norm_linear(x.data(), norm, 1e-6f, host, 1, want.data());
-    out = poisoned_gpu(n);
-    gpu_->rms_norm_linear(on_gpu(x), gpu_->upload(norm), 1e-6f, dev, 1, out);
-    expect_close(to_host(out, n), want, path + " rms_norm_linear " + what, kF16Tolerance);
-
-    auto residual = random(n, 2.f);
-    want = residual;
-    cpu_->linear_add(host, x.data(), 1, want.data());
-    float* res = on_gpu(residual);
-    gpu_->linear_add(dev, on_gpu(x), 1, res);
-    expect_close(to_host(res, n), want, path + " linear_add " + what, kF16Tolerance);
-    release_buffers();
-  }
-
-  // m rows of random inputs (|x| up to x_scale) against a random BF16 weight with a bias through
-  // linear, rms_norm_linear and linear_add on both backends, at the exact kernel's tolerance.
-  void expect_bf16_rows(int64_t n, int64_t k, int64_t m, float x_scale) {
-    const std::string what = fmt::format("bf16 m={} n={} k={}", m, n, k);
-    LinearWeight host = random_weight(WeightFormat::kBF16, n, k, 0, true);
-    LinearWeight dev = gpu_->upload(host);
-    auto x = random(m * k, x_scale);
+  // m rows x through linear (when `plain`), rms_norm_linear and linear_add (the decode GEMVs'
+  // fused forms) on both backends, every output poisoned first.
+  void expect_fused_forms(const LinearWeight& host, const LinearWeight& dev, const std::vector<float>& x, int64_t m,
+                          double tolerance, const std::string& what, bool plain = true) {
+    const int64_t n = host.n, k = host.k;
     std::vector<float> want(size_t(m * n));
-    cpu_->linear(host, x.data(), m, want.data());
-    float* out = poisoned_gpu(m * n);
-    gpu_->linear(dev, on_gpu(x), m, out);
-    expect_close(to_host(out, m * n), want, "linear " + what, kTolerance);
+    if (plain) {
+      cpu_->linear(host, x.data(), m, want.data());
+      float* out = poisoned_gpu(m * n);
+      gpu_->linear(dev, on_gpu(x), m, out);
+      expect_close(to_host(out, m * n), want, "linear " + what, tolerance);
+    }
 
     WeightVector norm = host_vector(random(k));
     cpu_->rms_norm_linear(x.data(), norm, 1e-6f, host, m, want.data());
-    out = poisoned_gpu(m * n);
+    float* out = poisoned_gpu(m * n);
     gpu_->rms_norm_linear(on_gpu(x), gpu_->upload(norm), 1e-6f, dev, m, out);
-    expect_close(to_host(out, m * n), want, "rms_norm_linear " + what, kTolerance);
+    expect_close(to_host(out, m * n), want, "rms_norm_linear " + what, tolerance);
 
     auto residual = random(m * n, 2.f);
     want = residual;
     cpu_->linear_add(host, x.data(), m, want.data());
     float* res = on_gpu(residual);
     gpu_->linear_add(dev, on_gpu(x), m, res);
-    expect_close(to_host(res, m * n), want, "linear_add " + what, kTolerance);
+    expect_close(to_host(res, m * n), want, "linear_add " + what, tolerance);
+  }
+
+  // One token of a random INT4 weight through the fused forms, at the f16 paths' tolerance;
+  // `path` names the kernel.
+  void expect_int4_one_token(const std::string& path, int64_t n, int64_t k, int64_t group, bool bias, bool symmetric) {
+    LinearWeight host = random_weight(WeightFormat::kInt4, n, k, group, bias, symmetric);
+    expect_fused_forms(host, gpu_->upload(host), random(k, 3.f), 1, kF16Tolerance,
+                       fmt::format("{} g{}{} n={} k={}", path, group, symmetric ? " sym" : "", n, k));
+    release_buffers();
+  }
+
+  // m rows of random inputs (|x| up to x_scale) against a random BF16 weight with a bias through
+  // the fused forms, at the exact kernel's tolerance.
+  void expect_bf16_rows(int64_t n, int64_t k, int64_t m, float x_scale) {
+    LinearWeight host = random_weight(WeightFormat::kBF16, n, k, 0, true);
+    expect_fused_forms(host, gpu_->upload(host), random(m * k, x_scale), m, kTolerance,
+                       fmt::format("bf16 m={} n={} k={}", m, n, k));
     release_buffers();
   }
 };
@@ -860,21 +849,8 @@ TEST_F(OpsTest, FusedResidualOps) {
         LinearWeight host = random_weight(format, n, k, group, m == 3);
         LinearWeight dev = gpu_->upload(host);
         const std::string what = fmt::format("{} g{} m={} n={} k={}", weight_format_name(format), group, m, n, k);
-        auto x = random(m * k, 3.f);
-        WeightVector norm = host_vector(random(k));
-        std::vector<float> want(size_t(m * n));
-        cpu_->rms_norm_linear(x.data(), norm, 1e-6f, host, m, want.data());
-        float* out = poisoned_gpu(m * n);
-        gpu_->rms_norm_linear(on_gpu(x), gpu_->upload(norm), 1e-6f, dev, m, out);
         const double tolerance = f16_path(format, k, group) ? kF16Tolerance : kTolerance;
-        expect_close(to_host(out, m * n), want, "rms_norm_linear " + what, tolerance);
-
-        auto residual = random(m * n, 2.f);
-        want = residual;
-        cpu_->linear_add(host, x.data(), m, want.data());
-        float* res = on_gpu(residual);
-        gpu_->linear_add(dev, on_gpu(x), m, res);
-        expect_close(to_host(res, m * n), want, "linear_add " + what, tolerance);
+        expect_fused_forms(host, dev, random(m * k, 3.f), m, tolerance, what, /*plain=*/false);
       }
 
   // The expert kernels route from the router's logits (1, 2, 4 and 16 experts a lane; m = 2
